@@ -1,0 +1,359 @@
+"""The engine protocol every backend implements, and the capabilities it declares.
+
+A backend subclasses :class:`Engine` and fills in the ``_``-prefixed hooks. The public methods
+here hold the rules that must not differ between backends: closed/asleep/invalid-weights checks,
+capability checks with a clear :class:`CapabilityError`, pause/resume, version tagging, the
+outstanding-request count and the lifecycle hooks for plugins.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import CapabilityError, EngineAsleep, EngineClosed, WeightsInvalidated
+from .types import Completion, EngineConfig, EngineInfo, GenerateRequest
+from .weights.manifest import TransportSpec, WeightManifest
+
+logger = logging.getLogger("rollout_engines")
+
+SLEEP_TAGS = ("weights", "kv_cache")
+T = TypeVar("T")
+
+
+class Capabilities(BaseModel):
+    """What a backend can do, declared up front (never discovered by trial)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    generate: bool = True
+    chat: bool = True
+    logprobs: bool = True
+    n: bool = True
+    stop_strings: bool = True
+    seed: bool = True
+    sleep_levels: tuple[int, ...] = Field(default=(), description="Empty: sleep is not supported.")
+    sleep_tags: tuple[str, ...] = ()
+    weights_kept_on_sleep: bool = Field(
+        default=True,
+        description="False: waking the 'weights' tag restores memory, not values; a push must follow "
+        "before generation (SGLang releases weights; vLLM sleep level 2 discards them).",
+    )
+    pause: bool = True
+    prefix_cache: bool = True
+    transports: tuple[str, ...] = ()
+    tensor_parallel: bool = False
+    multi_process: bool = Field(default=False, description="Workers run outside the caller's process.")
+
+    def supports_sleep(self) -> bool:
+        return bool(self.sleep_levels)
+
+
+def require(capabilities: Capabilities, flag: str, backend: str, what: str) -> None:
+    if not getattr(capabilities, flag):
+        raise CapabilityError(f"backend '{backend}' cannot {what} (capability '{flag}' is not declared)")
+
+
+class Engine(abc.ABC):
+    """Base class of every backend. Async first; see :class:`BlockingEngine` for scripts."""
+
+    backend_name: ClassVar[str] = "?"
+    capabilities: Capabilities = Capabilities()
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.weight_version = 0
+        self._asleep: set[str] = set()
+        self._weights_invalid: str | None = None
+        self._closed = False
+        self._outstanding = 0
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._paused = False
+        self._weight_update_lock = threading.Lock()
+
+    # ---- backend hooks -------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def _generate(self, request: GenerateRequest) -> list[Completion]: ...
+
+    async def _sleep(self, level: int, tags: Sequence[str]) -> None:
+        raise CapabilityError(f"backend '{self.backend_name}' does not support sleep")
+
+    async def _wake_up(self, tags: Sequence[str]) -> None:
+        raise CapabilityError(f"backend '{self.backend_name}' does not support wake_up")
+
+    async def _reset_prefix_cache(self) -> None:
+        return None
+
+    async def _pause(self) -> None:
+        return None
+
+    async def _resume(self) -> None:
+        return None
+
+    async def _init_weight_transfer(self, spec: TransportSpec) -> None:
+        raise CapabilityError(f"backend '{self.backend_name}' cannot receive weights")
+
+    async def _receive_weights(self, manifest: WeightManifest) -> None:
+        raise CapabilityError(f"backend '{self.backend_name}' cannot receive weights")
+
+    async def _close_weight_transfer(self) -> None:
+        return None
+
+    async def _close(self) -> None:
+        return None
+
+    def weight_receivers(self) -> int:
+        """How many ranks this engine occupies in a broadcast group (one per worker)."""
+        return max(1, self.config.tensor_parallel_size) if self.capabilities.multi_process else 1
+
+    def _extra_info(self) -> dict[str, Any]:
+        return {}
+
+    # ---- public API ----------------------------------------------------------------------------
+    @property
+    def model(self) -> str:
+        return self.config.model
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise EngineClosed(f"engine '{self.backend_name}' is closed; create a new one")
+        if self._asleep:
+            raise EngineAsleep(
+                f"engine '{self.backend_name}' is asleep (released: {', '.join(sorted(self._asleep))}); "
+                "call wake_up() first"
+            )
+        if self._weights_invalid:
+            raise WeightsInvalidated(
+                f"engine '{self.backend_name}' refuses to generate: {self._weights_invalid}. "
+                "Push a complete set of weights (WeightSync.push) to continue"
+            )
+
+    def _check_request(self, request: GenerateRequest) -> None:
+        caps, name = self.capabilities, self.backend_name
+        s = request.sampling
+        if request.messages is not None:
+            require(caps, "chat", name, "apply chat templates")
+        if s.logprobs is not None:
+            require(caps, "logprobs", name, "return logprobs")
+        if s.n > 1:
+            require(caps, "n", name, "return several samples per prompt")
+        if s.stop:
+            require(caps, "stop_strings", name, "stop on strings")
+
+    async def generate(self, request: GenerateRequest) -> list[Completion]:
+        """Generate for every prompt of the batch; returns batch_size * n completions, prompt-major."""
+        self._check_usable()
+        self._check_request(request)
+        await self._resumed.wait()
+        self._check_usable()
+        self._outstanding += 1
+        try:
+            return await self._generate(request)
+        finally:
+            self._outstanding -= 1
+
+    async def chat(self, request: GenerateRequest) -> list[Completion]:
+        if request.messages is None:
+            raise ValueError("chat() needs request.messages")
+        return await self.generate(request)
+
+    async def sleep(self, level: int = 1, tags: Sequence[str] | None = None) -> None:
+        """Release memory: ``tags`` any of 'weights', 'kv_cache' (default both)."""
+        caps = self.capabilities
+        if not caps.supports_sleep():
+            raise CapabilityError(
+                f"backend '{self.backend_name}' does not support sleep on this platform; "
+                "check engine.capabilities.sleep_levels before calling"
+            )
+        if level not in caps.sleep_levels:
+            raise CapabilityError(
+                f"backend '{self.backend_name}' supports sleep levels {list(caps.sleep_levels)}, not {level}"
+            )
+        tags = list(tags or caps.sleep_tags)
+        self._check_tags(tags)
+        self._check_not_closed()
+        await self._sleep(level, tags)
+        self._asleep.update(tags)
+        if "weights" in tags and (level >= 2 or not caps.weights_kept_on_sleep):
+            self._weights_invalid = (
+                f"weights were discarded by sleep(level={level}) and not pushed again since"
+            )
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._check_not_closed()
+        tags = list(tags or sorted(self._asleep))
+        self._check_tags(tags)
+        todo = [t for t in tags if t in self._asleep]
+        if todo:
+            await self._wake_up(todo)
+            self._asleep.difference_update(todo)
+            await self._reset_prefix_cache()
+
+    async def reset_prefix_cache(self) -> None:
+        self._check_not_closed()
+        await self._reset_prefix_cache()
+
+    async def pause(self) -> None:
+        """Hold new generation until :meth:`resume` (in-flight requests finish first where the
+        backend cannot pause them mid-way)."""
+        require(self.capabilities, "pause", self.backend_name, "pause")
+        self._check_not_closed()
+        self._paused = True
+        self._resumed.clear()
+        await self._pause()
+
+    async def resume(self) -> None:
+        self._check_not_closed()
+        await self._resume()
+        self._paused = False
+        self._resumed.set()
+
+    async def init_weight_transfer(self, spec: TransportSpec) -> None:
+        """Join a trainer's weight-sync session (called by :func:`connect_weight_sync`)."""
+        self._check_not_closed()
+        if spec.transport not in self.capabilities.transports:
+            raise CapabilityError(
+                f"backend '{self.backend_name}' cannot receive weights over '{spec.transport}'; "
+                f"it supports: {', '.join(self.capabilities.transports) or 'none'}"
+            )
+        await self._init_weight_transfer(spec)
+
+    async def receive_weights(self, manifest: WeightManifest) -> int:
+        """Receive one complete update described by ``manifest``; returns the new version.
+
+        Validates the whole manifest before anything is applied. On failure the previous weights
+        stay in place (or, for in-place backends, generation is refused until the next full push).
+        """
+        from .plugins import get_registry
+
+        self._check_not_closed()
+        if "weights" in self._asleep:
+            raise EngineAsleep(
+                f"engine '{self.backend_name}' has released its weights; call wake_up(tags=['weights']) "
+                "before pushing"
+            )
+        hooks = get_registry().hooks
+        hooks.before_weight_update(engine=self, manifest=manifest)
+        start, error = time.perf_counter(), None
+        try:
+            await self._receive_weights(manifest)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            hooks.after_weight_update(
+                engine=self, manifest=manifest, seconds=time.perf_counter() - start, error=error
+            )
+        self.weight_version = manifest.version
+        self._weights_invalid = None
+        await self._reset_prefix_cache()
+        return self.weight_version
+
+    async def close_weight_transfer(self) -> None:
+        await self._close_weight_transfer()
+
+    async def info(self) -> EngineInfo:
+        return EngineInfo(
+            backend=self.backend_name,
+            model=self.config.model,
+            weight_version=self.weight_version,
+            asleep=sorted(self._asleep),
+            paused=self._paused,
+            outstanding=self._outstanding,
+            healthy=not self._closed and self._weights_invalid is None,
+            capabilities=self.capabilities.model_dump(),
+            extra=self._extra_info(),
+        )
+
+    async def health(self) -> bool:
+        return not self._closed
+
+    async def close(self) -> None:
+        """Free everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._resumed.set()
+        try:
+            await self._close()
+        finally:
+            from .plugins import get_registry
+
+            get_registry().hooks.engine_closed(engine=self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise EngineClosed(f"engine '{self.backend_name}' is closed; create a new one")
+
+    def _check_tags(self, tags: Sequence[str]) -> None:
+        allowed = self.capabilities.sleep_tags or SLEEP_TAGS
+        bad = [t for t in tags if t not in allowed]
+        if bad:
+            raise ValueError(f"unknown sleep tags {bad}; allowed: {list(allowed)}")
+
+
+class BlockingEngine:
+    """A blocking facade over an async engine for scripts and notebooks.
+
+    Runs its own event loop in a background thread, so it works inside Jupyter as well.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="roe-blocking", daemon=True)
+        self._thread.start()
+
+    def _run(self, factory: Callable[[], Awaitable[T]]) -> T:
+        async def call() -> T:
+            return await factory()
+
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result()
+
+    def generate(self, request: GenerateRequest) -> list[Completion]:
+        return self._run(lambda: self.engine.generate(request))
+
+    def sleep(self, level: int = 1, tags: Sequence[str] | None = None) -> None:
+        self._run(lambda: self.engine.sleep(level, tags))
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._run(lambda: self.engine.wake_up(tags))
+
+    def reset_prefix_cache(self) -> None:
+        self._run(self.engine.reset_prefix_cache)
+
+    def info(self) -> EngineInfo:
+        return self._run(self.engine.info)
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self.engine.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> BlockingEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

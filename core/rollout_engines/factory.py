@@ -1,0 +1,37 @@
+"""``create_engine``: config in, running engine out, whatever the backend."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .engine import Engine
+from .plugins import get_registry
+from .types import EngineConfig
+
+
+def create_engine(backend: str | EngineConfig = "transformers", model: str | None = None, **kwargs: Any) -> Engine:
+    """Start an engine of ``backend`` on ``model``.
+
+    Unknown keyword arguments that are not :class:`EngineConfig` fields go to ``options`` (the
+    backend's own settings), so ``create_engine("vllm", model=p, enforce_eager=True)`` works.
+    """
+    if isinstance(backend, EngineConfig):
+        config = backend
+    else:
+        if model is None:
+            raise ValueError("create_engine needs model=PATH (try rollout_engines.testing.tiny_model_path())")
+        fields = set(EngineConfig.model_fields)
+        options = dict(kwargs.pop("options", {}) or {})
+        options.update({k: kwargs.pop(k) for k in list(kwargs) if k not in fields})
+        config = EngineConfig(backend=backend, model=model, options=options, **kwargs)
+    registry = get_registry()
+    cls = registry.load_backend(config.backend)
+    engine = cls(config)
+    registry.hooks.engine_created(engine=engine)
+    return engine
+
+
+async def acreate_engine(backend: str | EngineConfig = "transformers", model: str | None = None, **kwargs: Any) -> Engine:
+    """:func:`create_engine` in a worker thread, so model loading does not block the event loop."""
+    return await asyncio.to_thread(create_engine, backend, model, **kwargs)

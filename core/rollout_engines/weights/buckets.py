@@ -1,0 +1,76 @@
+"""Packing tensors into flat bucket buffers and unpacking them as zero-copy views."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from .manifest import TensorPlacement, WeightManifest
+
+
+class BucketHeader(BaseModel):
+    """Sent ahead of (or with) every bucket. ``status`` 1 means the sender aborted the update."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int
+    nbytes: int
+    checksum: int = 0
+    status: int = 0
+    reason: str = ""
+
+    ABORT: int = 1
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype '{name}'")
+    return dtype
+
+
+def checksum(buf: torch.Tensor, algo: str = "sum64") -> int:
+    """Wrapping sum of the buffer as 64-bit words: catches truncated, stale or mixed buckets.
+
+    It runs at memory bandwidth on CPU and GPU alike (integer addition is order independent, so
+    both ends agree). It is an integrity check, not a cryptographic hash.
+    """
+    if algo == "none":
+        return 0
+    n = buf.numel() // 8 * 8
+    total = int(buf[:n].view(torch.int64).sum().item()) if n else 0
+    for i, b in enumerate(buf[n:].tolist()):
+        total += b << (8 * i)
+    return total
+
+
+def bucket_views(
+    buf: torch.Tensor, placements: Iterable[TensorPlacement]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, view)`` for each tensor laid out in ``buf`` (no copies)."""
+    for p in placements:
+        flat = buf[p.offset : p.offset + p.nbytes]
+        yield p.name, flat.view(torch_dtype(p.dtype)).view(p.shape)
+
+
+def pack_bucket(
+    manifest: WeightManifest, index: int, tensors: Mapping[str, torch.Tensor], out: torch.Tensor
+) -> torch.Tensor:
+    """Copy the bucket's tensors into ``out`` (a uint8 buffer of at least the bucket's size)."""
+    nbytes = manifest.buckets[index].nbytes
+    buf = out[:nbytes]
+    for name, view in bucket_views(buf, manifest.bucket_tensors(index)):
+        src = tensors[name]
+        if src.dtype != view.dtype or tuple(src.shape) != tuple(view.shape):
+            raise ValueError(
+                f"tensor '{name}' changed since the manifest was made: "
+                f"{src.dtype}{tuple(src.shape)} vs {view.dtype}{tuple(view.shape)}"
+            )
+        view.copy_(src, non_blocking=True)
+    return buf
+
+
+def alloc_bucket(nbytes: int, device: torch.device | str = "cpu", pin: bool = False) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)

@@ -1,0 +1,182 @@
+"""The engine-worker side of weight sync, shared by every backend and every transport.
+
+A backend hosts one :class:`WeightReceiver` per worker and gives it a :class:`WeightTarget`
+(what the model expects, and how to load tensors into it). The receiver does the rest:
+
+1. validate the whole manifest against the model before anything is applied;
+2. receive every bucket through the transport, verifying each bucket's checksum;
+3. apply: ``staged`` mode keeps every bucket until all arrived and verified, then applies them
+   in one go (an interrupted update changes nothing); ``inplace`` mode applies bucket by bucket
+   (no second copy of the weights in memory) and, if the update fails midway, reports that the
+   weights are invalid so the engine refuses to generate until the next complete push.
+
+A receiver that rejects a manifest still drains the stream, so the group stays in step and the
+next update works.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Literal, Protocol
+
+import torch
+
+from ..errors import ManifestMismatch, WeightsInvalidated, WeightSyncError
+from .buckets import BucketHeader, bucket_views, checksum
+from .manifest import TensorSpec, TransportSpec, WeightManifest, validate_manifest
+from .transport import TransportReceiver
+
+logger = logging.getLogger("rollout_engines.weights")
+
+ApplyMode = Literal["staged", "inplace"]
+
+
+class WeightTarget(Protocol):
+    """What a receiver needs from a model."""
+
+    def expected_specs(self) -> Mapping[str, TensorSpec]:
+        """Name -> spec of every tensor an update may carry (HF checkpoint names)."""
+
+    def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
+        """Load these tensors. ``owned``: they are the target's to keep (no copy needed);
+        otherwise they are views of a buffer the transport reuses and must be copied."""
+
+
+def open_receiver(spec: TransportSpec, *, rank: int, device: torch.device | str) -> TransportReceiver:
+    from ..plugins import get_registry
+
+    cls = get_registry().transport(spec.transport).load_receiver()
+    receiver = cls(spec, rank=rank, device=device)
+    receiver.connect()
+    return receiver
+
+
+class WeightReceiver:
+    """Receives versioned, validated, atomic updates into one worker's model."""
+
+    def __init__(
+        self,
+        target: WeightTarget,
+        *,
+        device: torch.device | str = "cpu",
+        mode: ApplyMode = "staged",
+        label: str = "engine",
+    ) -> None:
+        self.target, self.device, self.mode, self.label = target, torch.device(device), mode, label
+        self.transport: TransportReceiver | None = None
+        self.version = 0
+
+    def connect(self, spec: TransportSpec, local_rank: int = 0) -> None:
+        self.close()
+        self.transport = open_receiver(spec, rank=spec.rank_offset + local_rank, device=self.device)
+
+    def receive(self, manifest: WeightManifest) -> int:
+        """Receive one update. Raises WeightSyncError (ManifestMismatch, WeightsInvalidated, ...)."""
+        if self.transport is None:
+            raise WeightSyncError(f"{self.label}: no weight transfer initialised; call connect() first")
+        transport = self.transport
+        rejection: ManifestMismatch | None = None
+        try:
+            validate_manifest(manifest, self.target.expected_specs())
+        except ManifestMismatch as exc:
+            rejection = exc
+        transport.begin(manifest)
+        staged: list[tuple[str, torch.Tensor]] = []
+        applied_any = False
+        ok = False
+        try:
+            for bucket in manifest.buckets:
+                header, buf = transport.recv_bucket(bucket.index, bucket.nbytes)
+                try:
+                    self._check_header(manifest, header, buf)
+                    if rejection is not None:
+                        continue  # drain: stay in step with the sender and the other receivers
+                    owned = transport.keeps_buffer
+                    if self.mode == "staged" and not owned:
+                        buf, owned = buf.clone(), True
+                    views = list(bucket_views(buf, manifest.bucket_tensors(bucket.index)))
+                    if self.mode == "inplace":
+                        applied_any = True
+                        self.target.apply(views, owned=owned)
+                    else:
+                        staged.extend(views)
+                finally:
+                    transport.release(bucket.index)
+            if rejection is not None:
+                raise rejection
+            if self.mode == "staged":
+                applied_any = True
+                self.target.apply(staged, owned=True)
+            ok = True
+        except WeightSyncError as exc:
+            if applied_any and not isinstance(exc, ManifestMismatch):
+                raise WeightsInvalidated(
+                    f"{self.label}: update v{manifest.version} failed after some weights were applied "
+                    f"({exc}); generation is refused until a complete push", peer=exc.peer, bucket=exc.bucket
+                ) from exc
+            raise
+        except Exception as exc:
+            err_cls = WeightsInvalidated if applied_any else WeightSyncError
+            raise err_cls(f"{self.label}: update v{manifest.version} failed: {exc!r}") from exc
+        finally:
+            transport.end(manifest, ok)
+        self.version = manifest.version
+        return self.version
+
+    def _check_header(self, manifest: WeightManifest, header: BucketHeader, buf: torch.Tensor) -> None:
+        if header.status == BucketHeader.ABORT:
+            raise WeightSyncError(
+                f"{self.label}: the sender aborted update v{manifest.version}: {header.reason}",
+                peer="trainer", bucket=header.index,
+            )
+        expected = manifest.buckets[header.index].nbytes if header.index < len(manifest.buckets) else -1
+        if header.nbytes != expected or buf.numel() < expected:
+            raise WeightSyncError(
+                f"{self.label}: bucket size {header.nbytes} does not match the manifest's {expected}",
+                peer="trainer", bucket=header.index,
+            )
+        got = checksum(buf[: header.nbytes], manifest.checksum)
+        if got != header.checksum:
+            raise WeightSyncError(
+                f"{self.label}: checksum mismatch in update v{manifest.version} "
+                f"(got {got}, sender said {header.checksum}); the data was corrupted or mixed",
+                peer="trainer", bucket=header.index,
+            )
+
+    def close(self) -> None:
+        if self.transport is not None:
+            try:
+                self.transport.close()
+            finally:
+                self.transport = None
+
+
+class StateDictTarget:
+    """A :class:`WeightTarget` over a ``torch.nn.Module``'s state dict.
+
+    Applying swaps each parameter's storage for the received tensor where the tensor is owned and
+    dtype and device match (no copy; the old storage is freed), and copies otherwise.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._specs: dict[str, TensorSpec] | None = None
+
+    def expected_specs(self) -> Mapping[str, TensorSpec]:
+        if self._specs is None:
+            self._specs = {
+                name: TensorSpec(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
+                for name, t in self.module.state_dict(keep_vars=True).items()
+            }
+        return self._specs
+
+    def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
+        params = self.module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, tensor in named:
+                dst = params[name]
+                if owned and tensor.device == dst.device and tensor.dtype == dst.dtype:
+                    dst.data = tensor
+                else:
+                    dst.data.copy_(tensor)

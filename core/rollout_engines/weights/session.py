@@ -1,0 +1,229 @@
+"""The trainer side of weight sync: connect to engines once, push versioned updates, close.
+
+    sync = await connect_weight_sync(engines, transport="gloo")
+    await sync.push(model.state_dict().items(), version=step)
+    await sync.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from ..errors import WeightSyncError
+from .buckets import BucketHeader, alloc_bucket, checksum, pack_bucket
+from .manifest import DEFAULT_BUCKET_BYTES, TensorSpec, TransportSpec, WeightManifest, plan_manifest, specs_of
+from .transport import TransportSender
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+logger = logging.getLogger("rollout_engines.weights")
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+
+
+async def connect_weight_sync(
+    engines: Sequence[Engine],
+    transport: str = "inproc",
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout_s: float = 300.0,
+    checksum: Literal["sum64", "none"] = "sum64",
+    options: dict[str, Any] | None = None,
+    progress: bool | None = None,
+) -> WeightSync:
+    """Open a weight-sync session from this (trainer) process to every engine.
+
+    Each engine's workers get their rank in the session (the trainer is rank 0); engines that
+    cannot receive over ``transport`` fail here with a :class:`CapabilityError`, before any data.
+    """
+    from ..plugins import get_registry
+
+    if not engines:
+        raise ValueError("connect_weight_sync needs at least one engine")
+    sender_cls = get_registry().transport(transport).load_sender()
+    counts = [engine.weight_receivers() for engine in engines]
+    world_size = 1 + sum(counts)
+    session_id = uuid.uuid4().hex[:16]
+    sender = sender_cls(session_id=session_id, world_size=world_size, timeout_s=timeout_s, options=options or {})
+    spec_options = sender.spec_options()
+    offsets = [1 + sum(counts[:i]) for i in range(len(engines))]
+    specs = [
+        TransportSpec(
+            transport=transport, session_id=session_id, rank_offset=off, world_size=world_size,
+            timeout_s=timeout_s, options=spec_options,
+        )
+        for off in offsets
+    ]
+    connect = asyncio.ensure_future(asyncio.to_thread(sender.connect))
+    joins = [asyncio.ensure_future(e.init_weight_transfer(s)) for e, s in zip(engines, specs)]
+    results = await asyncio.gather(connect, *joins, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        await asyncio.to_thread(sender.close)
+        first = errors[0]
+        if isinstance(first, WeightSyncError | NotImplementedError):
+            raise first
+        raise WeightSyncError(f"could not connect the '{transport}' weight sync: {first!r}") from first
+    return WeightSync(
+        list(engines), sender, transport=transport, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
+        checksum=checksum, progress=progress,
+    )
+
+
+class WeightSync:
+    """A connected weight-sync session. Use :meth:`push` for every update, then :meth:`close`."""
+
+    def __init__(
+        self,
+        engines: list[Engine],
+        sender: TransportSender,
+        *,
+        transport: str,
+        bucket_bytes: int,
+        timeout_s: float,
+        checksum: Literal["sum64", "none"],
+        progress: bool | None,
+    ) -> None:
+        self.engines, self.sender, self.transport = engines, sender, transport
+        self.bucket_bytes, self.timeout_s, self.checksum = bucket_bytes, timeout_s, checksum
+        self.progress = progress
+        self.version: int | None = None
+        self.last_push_seconds = 0.0
+        self._closed = False
+
+    async def push(
+        self, tensors: NamedTensors, *, version: int, specs: Sequence[TensorSpec] | None = None
+    ) -> int:
+        """Send one complete update to every engine; returns ``version`` once all applied it.
+
+        ``tensors`` is a mapping or an iterable of ``(name, tensor)``. With ``specs`` (name, dtype and
+        shape of every tensor, in order) the iterable is consumed lazily, one bucket at a time, so a
+        generator that gathers FSDP shards never holds more than a bucket. Without ``specs`` the
+        iterable is listed first (references only).
+        """
+        if self._closed:
+            raise WeightSyncError("this weight sync session is closed; connect a new one")
+        items: Iterable[tuple[str, torch.Tensor]] = tensors.items() if isinstance(tensors, Mapping) else tensors
+        if specs is None:
+            items = list(items)
+            specs = specs_of(items)
+        manifest = plan_manifest(
+            specs, version=version, bucket_bytes=self.bucket_bytes, transport=self.transport,
+            timeout_s=self.timeout_s, checksum=self.checksum,
+        )
+        start = time.perf_counter()
+        receivers = [asyncio.ensure_future(e.receive_weights(manifest)) for e in self.engines]
+        sending = asyncio.ensure_future(asyncio.to_thread(self._stream, manifest, iter(items)))
+        results = await asyncio.gather(sending, *receivers, return_exceptions=True)
+        self.last_push_seconds = time.perf_counter() - start
+        send_error, recv_results = results[0], results[1:]
+        failures = [(i, r) for i, r in enumerate(recv_results) if isinstance(r, BaseException)]
+        if failures or isinstance(send_error, BaseException):
+            parts = []
+            if isinstance(send_error, BaseException):
+                parts.append(f"sender: {send_error}")
+            parts += [f"engine {i} ({self.engines[i].backend_name}): {r}" for i, r in failures]
+            first = send_error if isinstance(send_error, BaseException) else failures[0][1]
+            err = WeightSyncError(f"weight update v{version} failed: " + " | ".join(parts))
+            err.failures = failures  # type: ignore[attr-defined]
+            raise err from first
+        self.version = version
+        logger.info(
+            "pushed v%d: %.1f MB in %.3f s over %s to %d engine(s)", version, manifest.total_bytes / 1e6,
+            self.last_push_seconds, self.transport, len(self.engines),
+        )
+        return version
+
+    def _stream(self, manifest: WeightManifest, items: Iterator[tuple[str, torch.Tensor]]) -> None:
+        sender = self.sender
+        device = sender.device()
+        slots: list[torch.Tensor] = []
+        show = self.progress if self.progress is not None else (sys.stderr.isatty() and manifest.total_bytes > 2**28)
+        bar = _progress(show, manifest.total_bytes, f"push v{manifest.version} ({self.transport})")
+        try:
+            sender.begin(manifest)
+            pending: dict[str, torch.Tensor] = {}
+            with bar as advance:
+                for bucket in manifest.buckets:
+                    names = [manifest.tensors[i].name for i in bucket.tensors]
+                    while any(n not in pending for n in names):
+                        try:
+                            name, tensor = next(items)
+                        except StopIteration:
+                            missing = [n for n in names if n not in pending]
+                            raise WeightSyncError(
+                                f"the tensor iterator ended before '{missing[0]}' (named in the specs)",
+                                bucket=bucket.index,
+                            ) from None
+                        pending[name] = tensor.detach()
+                    if sender.reuses_buffers:
+                        slot = bucket.index % 2
+                        if len(slots) <= slot or slots[slot].numel() < bucket.nbytes:
+                            size = max(bucket.nbytes, min(self.bucket_bytes, manifest.total_bytes))
+                            buf = alloc_bucket(size, device)
+                            slots[slot:slot + 1] = [buf]
+                        out = slots[slot]
+                    else:
+                        out = alloc_bucket(bucket.nbytes, device)
+                    buf = pack_bucket(manifest, bucket.index, pending, out)
+                    for n in names:
+                        del pending[n]
+                    header = BucketHeader(
+                        index=bucket.index, nbytes=bucket.nbytes, checksum=checksum(buf, manifest.checksum)
+                    )
+                    sender.send_bucket(header, buf)
+                    advance(bucket.nbytes)
+            sender.end(manifest)
+        except BaseException as exc:
+            try:
+                sender.abort(f"{type(exc).__name__}: {exc}")
+            except Exception:  # the peer may be gone already; the original error matters
+                logger.debug("abort after failure also failed", exc_info=True)
+            raise
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(*(e.close_weight_transfer() for e in self.engines), return_exceptions=True)
+        await asyncio.to_thread(self.sender.close)
+
+    async def __aenter__(self) -> WeightSync:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _progress:
+    """A rich progress bar over bytes, or nothing when not wanted (not a terminal, small push)."""
+
+    def __init__(self, show: bool, total: int, label: str) -> None:
+        self.show, self.total, self.label = show, total, label
+        self._cm: Any = nullcontext()
+        self._lock = threading.Lock()
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        if not self.show:
+            return lambda n: None
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        self._cm = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                            TransferSpeedColumn(), transient=True)
+        progress = self._cm.__enter__()
+        task = progress.add_task(self.label, total=self.total)
+        return lambda n: progress.advance(task, n)
+
+    def __exit__(self, *exc: object) -> None:
+        self._cm.__exit__(*exc)

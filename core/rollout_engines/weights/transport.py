@@ -1,0 +1,95 @@
+"""The two halves every weight transport implements.
+
+A transport moves bucket buffers from the trainer (one sender) to every engine worker (N
+receivers). It knows nothing about models: the manifest, validation and atomic apply live in
+:mod:`.receiver` and :mod:`.session`, shared by every transport.
+
+Rules every transport keeps:
+- every wait has a timeout (``spec.timeout_s``); a dead peer raises :class:`WeightSyncError`
+  naming the peer and the bucket, never hangs;
+- ``send_bucket`` may return before receivers are done (pipelining) but must not let the caller
+  overwrite a buffer a receiver still reads;
+- ``abort`` tells every receiver that the update is off, so they raise instead of waiting.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+import torch
+
+from .buckets import BucketHeader
+from .manifest import TransportSpec, WeightManifest
+
+
+class TransportSender(abc.ABC):
+    """Trainer-side half. One instance per weight-sync session."""
+
+    name: ClassVar[str]
+    #: Whether senders may reuse a buffer after send_bucket returns (True) or must hand over a
+    #: fresh buffer each time (False, e.g. in-process queues that keep a reference).
+    reuses_buffers: ClassVar[bool] = True
+
+    def __init__(self, *, session_id: str, world_size: int, timeout_s: float, options: dict[str, Any]):
+        self.session_id, self.world_size, self.timeout_s = session_id, world_size, timeout_s
+        self.options = dict(options)
+
+    def spec_options(self) -> dict[str, Any]:
+        """Options receivers need to connect (addresses, names, paths). JSON-serialisable."""
+        return {}
+
+    def connect(self) -> None:
+        """Called after every receiver was told to connect (they connect concurrently)."""
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def begin(self, manifest: WeightManifest) -> None:
+        """Called once per update before the first bucket."""
+
+    @abc.abstractmethod
+    def send_bucket(self, header: BucketHeader, buf: torch.Tensor) -> None: ...
+
+    def end(self, manifest: WeightManifest) -> None:
+        """Called once per update after the last bucket was sent."""
+
+    @abc.abstractmethod
+    def abort(self, reason: str) -> None: ...
+
+    def close(self) -> None:
+        return None
+
+
+class TransportReceiver(abc.ABC):
+    """Engine-worker-side half. One instance per worker and session."""
+
+    name: ClassVar[str]
+
+    def __init__(self, spec: TransportSpec, *, rank: int, device: torch.device | str = "cpu"):
+        self.spec, self.rank, self.device = spec, rank, torch.device(device)
+        self.timeout_s = spec.timeout_s
+
+    def connect(self) -> None:
+        return None
+
+    def begin(self, manifest: WeightManifest) -> None:
+        return None
+
+    @abc.abstractmethod
+    def recv_bucket(self, index: int, nbytes: int) -> tuple[BucketHeader, torch.Tensor]:
+        """Block until bucket ``index`` arrives; return its header and a uint8 buffer that the
+        caller owns until :meth:`release` (fresh or reused, see ``keeps_buffer``)."""
+
+    def release(self, index: int) -> None:
+        """The caller is done reading bucket ``index`` (lets the sender reuse its slot)."""
+
+    def end(self, manifest: WeightManifest, ok: bool) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    #: True when the buffer returned by recv_bucket stays valid after release (fresh memory);
+    #: False when it is a shared slot that the sender overwrites (receiver must copy to keep it).
+    keeps_buffer: ClassVar[bool] = True
