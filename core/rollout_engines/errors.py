@@ -54,6 +54,7 @@ class BackendLoadError(RolloutEnginesError):
 
 class DuplicateBackend(RolloutEnginesError):
     def __init__(self, kind: str, name: str, first: str, second: str) -> None:
+        first, second = sorted((first, second))  # discovery order depends on sys.path; the message does not
         super().__init__(
             f"{kind} '{name}' is registered by two distributions: '{first}' and '{second}'. "
             f"Uninstall one, or block one with ROLLOUT_ENGINES_PLUGINS_DENY."
