@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -21,7 +22,7 @@ class BucketHeader(BaseModel):
     status: int = 0
     reason: str = ""
 
-    ABORT: int = 1
+    ABORT: ClassVar[int] = 1
 
 
 def torch_dtype(name: str) -> torch.dtype:
