@@ -1,0 +1,1 @@
+"""An example third-party backend: transformers' own ``generate()`` behind the rollout-engines API."""

@@ -1,0 +1,17 @@
+"""Registration only: cheap, imports no torch (the engine module is imported on first use)."""
+
+from rollout_engines import BackendSpec, hookimpl
+
+
+@hookimpl
+def register_backends(register):
+    register(
+        BackendSpec(
+            name="hfgenerate",
+            target="roe_hfgenerate.engine:HFGenerateEngine",
+            install_hint='pip install "rollout-engines-hfgenerate"',
+            requires=("transformers", "torch"),
+            description="Example plugin: transformers generate(), one prompt at a time.",
+            capabilities={"sleep_levels": [], "transports": ["inproc", "shm", "gloo", "disk"]},
+        )
+    )

