@@ -66,6 +66,11 @@ class CapabilityError(RolloutEnginesError, NotImplementedError):
     """The backend does not declare the capability this call needs."""
 
 
+class InvalidRequest(RolloutEnginesError, ValueError):
+    """A request that passed field validation but does not fit this engine's model (a token id
+    outside the vocabulary, a prompt longer than the context window, an empty prompt)."""
+
+
 class EngineClosed(RolloutEnginesError):
     """The engine was closed; create a new one."""
 
