@@ -1,0 +1,199 @@
+"""Rendezvous, signalling and liveness over a ``torch.distributed.TCPStore``.
+
+Shared by the transports that need a side channel (``gloo``/``nccl`` group set-up and recovery,
+``shm`` and ``cuda_ipc`` ready/ack signalling). The trainer (rank 0) hosts the store on a free
+port; receivers connect to it. Every wait here is bounded and checks, about twice a second, that
+the peers are still there:
+
+- each receiver runs a :class:`Heartbeat` thread that bumps ``hb/<rank>``; the sender's
+  :class:`PeerWatch` names a receiver whose counter stopped moving as dead;
+- a receiver that fails mid-update sets ``failed/<rank>`` and bumps ``failures``, so the sender
+  stops waiting for it at once instead of at the timeout;
+- the sender publishes an abort as ``abort/<token>``; the sender's death closes the store, which
+  the receivers' heartbeat threads notice within a beat.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch.distributed as dist
+
+from ...errors import WeightSyncError
+
+logger = logging.getLogger("rollout_engines.weights")
+
+DEFAULT_HOST = "127.0.0.1"
+HEARTBEAT_S = 0.5
+DEFAULT_DEAD_AFTER_S = 10.0
+CHECK_EVERY_S = 0.5
+TRAINER = "trainer (rank 0)"
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def host_store(options: dict[str, Any], timeout_s: float) -> tuple[dist.TCPStore, dict[str, Any]]:
+    """Host the session's store (port 0 = the OS picks a free port, no race between pick and bind)."""
+    host = str(options.get("host", DEFAULT_HOST))
+    try:
+        store = dist.TCPStore(
+            host, int(options.get("port", 0)), is_master=True, wait_for_workers=False, timeout=_td(timeout_s)
+        )
+    except Exception as exc:
+        raise WeightSyncError(
+            f"could not host the weight-sync rendezvous store on {host}:{options.get('port', 0)}: {exc}. "
+            "Pass options={'host': ADDRESS_REACHABLE_BY_ENGINES, 'port': FREE_PORT}"
+        ) from exc
+    spec = {
+        "host": str(options.get("advertise_host", host)),
+        "port": store.port,
+        "dead_after_s": float(options.get("dead_after_s", DEFAULT_DEAD_AFTER_S)),
+    }
+    return store, spec
+
+
+def join_store(options: dict[str, Any], timeout_s: float) -> dist.TCPStore:
+    host, port = options["host"], int(options["port"])
+    try:
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=_td(timeout_s))
+    except Exception as exc:
+        raise WeightSyncError(
+            f"could not reach the trainer's weight-sync store at {host}:{port}: {exc}. "
+            "Check that the trainer process is alive and the address is reachable from the engine",
+            peer=TRAINER,
+        ) from exc
+
+
+def session_store(store: dist.Store, session_id: str) -> dist.PrefixStore:
+    return dist.PrefixStore(f"roe/{session_id}/", store)
+
+
+def poll(done: Callable[[], bool], *, timeout_s: float, check: Callable[[], None], on_timeout: Callable[[], Exception]) -> None:
+    """Wait until ``done()`` with a short back-off; ``check()`` (raises on a dead peer) runs twice a
+    second; past the timeout ``on_timeout()`` is raised."""
+    start = time.monotonic()
+    deadline, next_check, nap = start + timeout_s, start + CHECK_EVERY_S, 2e-5
+    while not done():
+        now = time.monotonic()
+        if now >= next_check:
+            check()
+            next_check = now + CHECK_EVERY_S
+        if now >= deadline:
+            raise on_timeout()
+        time.sleep(nap)
+        nap = min(nap * 2, 2e-3)
+
+
+class Heartbeat:
+    """Receiver side: bumps ``hb/<rank>`` every half second on its own store connection, and
+    notices when the trainer (which hosts the store) is gone."""
+
+    def __init__(self, options: dict[str, Any], session_id: str, rank: int, timeout_s: float) -> None:
+        self._store = session_store(join_store(options, timeout_s), session_id)
+        self._key = f"hb/{rank}"
+        self._store.add(self._key, 1)
+        self.error: Exception | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"roe-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._store.add(self._key, 1)
+            except Exception as exc:  # the store lives in the trainer: it is gone
+                self.error = exc
+                return
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise WeightSyncError(f"lost the trainer's rendezvous store ({self.error}); the trainer is gone", peer=TRAINER)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * HEARTBEAT_S)
+
+
+class PeerWatch:
+    """Sender side: which receivers reported a failure, and which stopped beating."""
+
+    def __init__(self, store: dist.Store, ranks: Iterable[int], dead_after_s: float) -> None:
+        self.store, self.ranks, self.dead_after_s = store, list(ranks), dead_after_s
+        now = time.monotonic()
+        self._beats: dict[int, tuple[int, float]] = {r: (-1, now) for r in self.ranks}
+        self.failures_seen = 0
+
+    def failures(self) -> int:
+        return int(self.store.add("failures", 0))
+
+    def failed_ranks(self) -> dict[int, str]:
+        out = {}
+        for r in self.ranks:
+            key = f"failed/{r}"
+            if self.store.check([key]):
+                out[r] = self.store.get(key).decode(errors="replace")
+        return out
+
+    def dead_ranks(self) -> list[int]:
+        now, dead = time.monotonic(), []
+        for r in self.ranks:
+            count = int(self.store.add(f"hb/{r}", 0))
+            last, since = self._beats[r]
+            if count != last:
+                self._beats[r] = (count, now)
+            elif now - since > self.dead_after_s:
+                dead.append(r)
+        return dead
+
+    def check(self, bucket: int | None) -> None:
+        """Raise :class:`WeightSyncError` naming a receiver that failed or died."""
+        if self.failures() != self.failures_seen:
+            failed = self.failed_ranks()
+            if failed:
+                rank, reason = next(iter(failed.items()))
+                raise WeightSyncError(f"receiver rank {rank} gave up: {reason}", peer=f"rank {rank}", bucket=bucket)
+        dead = self.dead_ranks()
+        if dead:
+            raise WeightSyncError(
+                f"receiver rank {dead[0]} stopped responding (no heartbeat for {self.dead_after_s:.0f} s)",
+                peer=f"rank {dead[0]}", bucket=bucket,
+            )
+
+    def culprit(self, bucket: int | None, cause: BaseException, transport: str) -> WeightSyncError:
+        """After a wire error: give the peers a few beats to show which one failed, then name it."""
+        deadline = time.monotonic() + self.dead_after_s + 2 * HEARTBEAT_S
+        while time.monotonic() < deadline:
+            try:
+                self.check(bucket)
+            except WeightSyncError as exc:
+                exc.args = (f"{transport}: {exc.args[0]} ({_short(cause)})",)
+                return exc
+            time.sleep(HEARTBEAT_S / 2)
+        return WeightSyncError(f"{transport}: send failed: {_short(cause)}", peer="a receiver", bucket=bucket)
+
+    def clear(self) -> None:
+        """Forget reported failures (after the group was rebuilt)."""
+        for r in self.ranks:
+            self.store.delete_key(f"failed/{r}")
+        self.failures_seen = self.failures()
+
+
+def report_failure(store: dist.Store, rank: int, reason: str) -> None:
+    """Receiver side: tell the sender this rank gave up on the current update (best effort)."""
+    try:
+        store.set(f"failed/{rank}", reason[:500])
+        store.add("failures", 1)
+    except Exception:  # the store is the trainer's: if it is gone there is nobody to tell
+        logger.debug("could not report the failure of rank %d", rank, exc_info=True)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).split(". This is typically")[0]
+    return f"{type(exc).__name__}: {text[:300]}"
