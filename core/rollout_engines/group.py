@@ -1,0 +1,696 @@
+"""``EngineGroup``: many engines (data-parallel replicas) behind one engine.
+
+The members can be any :class:`~rollout_engines.engine.Engine`: local objects, Ray actors
+(:class:`rollout_engines.ray.RayEngine`), remote servers. The group is an engine itself, so a
+trainer's code does not change when it goes from one engine to many::
+
+    group = EngineGroup([e0, e1, e2], routing="least_outstanding", max_outstanding_per_engine=64)
+    outs = await group.generate(request)
+    sync = await connect_weight_sync([group], "gloo")   # every worker of every member, one session
+    await sync.push(model.state_dict().items(), version=step)
+
+What the group does:
+
+- **Routing** (``routing=``): ``round_robin``; ``least_outstanding`` (fewest requests in flight);
+  ``sticky``: requests with the same ``request.session_id`` go to the same member (a multi-turn
+  agent keeps its prefix cache); the mapping is a fixed hash of the session id, moved to the next
+  member only while that member cannot serve. Requests without a session id use least-outstanding.
+- **Backpressure**: at most ``max_outstanding_per_engine`` requests (batches) in flight per member;
+  further requests wait for a slot, and raise :class:`EngineUnavailable` after ``wait_timeout_s``.
+- **Fan-out** of sleep / wake_up / reset_prefix_cache / pause / resume to every member.
+- **Weight sync**: :meth:`weight_receivers` is the sum over members; :meth:`init_weight_transfer`
+  gives member *i* the rank offset ``spec.rank_offset + receivers of members 0..i-1``;
+  :meth:`receive_weights` fans the manifest out to the members of the session.
+- **Failures**: a member that raises an engine failure (:class:`EngineUnavailable`,
+  :class:`EngineClosed`, connection errors, a dead actor, or any other error while its health check
+  also fails) is marked down; its in-flight and queued requests are retried on the other members.
+  A request's result is always taken from exactly one member. Client errors (validation,
+  :class:`CapabilityError`, an asleep engine, weight-sync errors) are raised to the caller, never
+  retried. Health checks run every ``health_interval_s``.
+- **Rejoin**: a member is only given traffic while its weight version equals the group's latest
+  version. A member that comes back (healthy again, restarted by Ray, or added with
+  :meth:`add_engine`) with an older version is first brought up to date, by one of (in order):
+
+  1. ``on_rejoin(engine, version)``: an async callback of the caller's; it must leave ``engine`` at
+     ``version`` (typically it pushes the trainer's current weights with
+     ``connect_weight_sync([engine], ...)``);
+  2. ``weight_source``: a directory of ``*.safetensors`` files holding the latest weights (HF names),
+     or a callable ``version -> named tensors``; the group pushes it over ``rejoin_transport``
+     (default: the transport of the last session). The group never keeps weights in memory itself.
+
+  Without either, a stale member stays out of traffic and an error is logged once.
+
+Collective transports (``gloo``, ``nccl``) fix their members at connect time: after a member died,
+the next push of that session fails with :class:`WeightSyncError` (it names the member). Close the
+session and connect again (``connect_weight_sync([group], ...)``); the new session includes every
+healthy member, and members that missed a push rejoin as described above.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from .engine import Capabilities, Engine
+from .errors import (
+    CapabilityError,
+    EngineAsleep,
+    EngineClosed,
+    EngineUnavailable,
+    WeightSyncError,
+)
+from .types import Completion, EngineConfig, EngineInfo, GenerateRequest
+from .weights.manifest import TransportSpec, WeightManifest
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger("rollout_engines.group")
+
+Routing = Literal["round_robin", "least_outstanding", "sticky"]
+ROUTINGS: tuple[str, ...] = ("round_robin", "least_outstanding", "sticky")
+
+#: Errors that describe the request or the caller's use of the engine, not a broken engine:
+#: raised to the caller as they are, never retried elsewhere.
+CLIENT_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, TypeError, KeyError, CapabilityError, EngineAsleep, WeightSyncError,
+)
+#: Errors that say the engine itself cannot serve: the member is marked down at once.
+ENGINE_FAILURES: tuple[type[BaseException], ...] = (
+    EngineUnavailable, EngineClosed, ConnectionError, TimeoutError, asyncio.TimeoutError, OSError, EOFError,
+)
+
+NamedTensors = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
+RejoinCallback = Callable[[Engine, int], Awaitable[None]]
+WeightSource = str | Path | Callable[[int], NamedTensors | Awaitable[NamedTensors]]
+
+
+class _Member:
+    """One engine of the group and what the router knows about it (plain attributes: hot path)."""
+
+    __slots__ = (
+        "engine", "index", "receivers", "outstanding", "completed", "failures", "version", "healthy",
+        "serving", "in_session", "inflight", "waiters", "rejoining", "last_error", "warned_stale",
+    )
+
+    def __init__(self, engine: Engine, index: int) -> None:
+        self.engine = engine
+        self.index = index
+        self.receivers = engine.weight_receivers()
+        self.outstanding = 0
+        self.completed = 0
+        self.failures = 0
+        self.version = int(getattr(engine, "weight_version", 0))
+        self.healthy = True
+        # healthy and at the group's weight version: may take traffic
+        self.serving = True
+        self.in_session = False
+        self.inflight: set[asyncio.Task[Any]] = set()
+        # sticky requests waiting for a slot on this member
+        self.waiters: deque[asyncio.Future[None]] = deque()
+        self.rejoining = False
+        self.last_error: str | None = None
+        self.warned_stale = False
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "backend": self.engine.backend_name, "healthy": self.healthy,
+            "serving": self.serving, "weight_version": self.version, "outstanding": self.outstanding,
+            "completed": self.completed, "failures": self.failures, "in_session": self.in_session,
+            "last_error": self.last_error,
+        }
+
+
+def intersect_capabilities(caps: Sequence[Capabilities]) -> Capabilities:
+    """What every member can do: flags AND-ed, tuples intersected (order of the first member)."""
+    values: dict[str, Any] = {}
+    for name in Capabilities.model_fields:
+        got = [getattr(c, name) for c in caps]
+        if isinstance(got[0], bool):
+            values[name] = any(got) if name == "multi_process" else all(got)
+        else:
+            values[name] = tuple(v for v in got[0] if all(v in other for other in got[1:]))
+    return Capabilities(**values)
+
+
+class EngineGroup(Engine):
+    """N engines of any backend behind the engine API (see the module docstring)."""
+
+    backend_name = "group"
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        *,
+        routing: Routing = "least_outstanding",
+        max_outstanding_per_engine: int | None = 128,
+        wait_timeout_s: float | None = 120.0,
+        max_attempts: int = 3,
+        health_interval_s: float | None = 5.0,
+        health_timeout_s: float = 10.0,
+        on_rejoin: RejoinCallback | None = None,
+        weight_source: WeightSource | None = None,
+        rejoin_transport: str | None = None,
+    ) -> None:
+        """
+        Args:
+            engines: the members (at least one; each object once).
+            routing: ``round_robin``, ``least_outstanding`` or ``sticky`` (by ``request.session_id``).
+            max_outstanding_per_engine: requests in flight per member before new ones wait
+                (None: unbounded).
+            wait_timeout_s: how long a request waits for a free slot or for a member to come back
+                before :class:`EngineUnavailable` (None: wait indefinitely).
+            max_attempts: members a request is tried on before its last engine failure is raised.
+            health_interval_s: seconds between background health checks (None: only on demand,
+                via :meth:`check_health`).
+            health_timeout_s: a health check slower than this counts as a failure.
+            on_rejoin: ``async (engine, version) -> None`` that brings a returning member to
+                ``version``.
+            weight_source: directory of safetensors (or callable ``version -> tensors``) the group
+                pushes to a returning member when ``on_rejoin`` is not given.
+            rejoin_transport: transport for that push (default: the last session's).
+        """
+        engines = list(engines)
+        if not engines:
+            raise ValueError("EngineGroup needs at least one engine")
+        if len({id(e) for e in engines}) != len(engines):
+            raise ValueError("EngineGroup got the same engine object twice; pass each engine once")
+        if routing not in ROUTINGS:
+            raise ValueError(f"unknown routing '{routing}'; choose one of: {', '.join(ROUTINGS)}")
+        if max_outstanding_per_engine is not None and max_outstanding_per_engine < 1:
+            raise ValueError("max_outstanding_per_engine must be >= 1 (or None for unbounded)")
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        first = engines[0].config
+        super().__init__(EngineConfig(backend="group", model=first.model, tokenizer=first.tokenizer))
+        self.capabilities = intersect_capabilities([e.capabilities for e in engines])
+        self.routing: Routing = routing
+        self.max_outstanding = max_outstanding_per_engine
+        self.wait_timeout_s = wait_timeout_s
+        self.max_attempts = max_attempts
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.on_rejoin = on_rejoin
+        self.weight_source = weight_source
+        self.rejoin_transport = rejoin_transport
+        self._members = [_Member(e, i) for i, e in enumerate(engines)]
+        self.weight_version = max(m.version for m in self._members)
+        for m in self._members:
+            m.serving = m.version == self.weight_version
+        self._rr = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        # tasks the group cancelled because their member went down (they retry, not fail)
+        self._evicted: set[asyncio.Task[Any]] = set()
+        self._health_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._weights_lock: asyncio.Lock | None = None
+        self._session_plan: list[_Member] | None = None
+        self._last_transport: str | None = None
+        self._sleep_state: tuple[int, list[str]] | None = None
+        self.retried = 0
+
+    # ---- membership ----------------------------------------------------------------------------
+    @property
+    def engines(self) -> list[Engine]:
+        return [m.engine for m in self._members]
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def member_stats(self) -> list[dict[str, Any]]:
+        """Per member: health, whether it serves, weight version, in-flight and completed counts."""
+        return [m.describe() for m in self._members]
+
+    async def add_engine(self, engine: Engine) -> int:
+        """Add a member (e.g. a replacement). It takes traffic once healthy and at the group's
+        weight version (brought there as described under *Rejoin*). Returns its index."""
+        self._check_not_closed()
+        if any(m.engine is engine for m in self._members):
+            raise ValueError("this engine is already a member of the group")
+        missing = [f for f, v in self.capabilities.model_dump().items() if v is True and not getattr(engine.capabilities, f)]
+        if missing:
+            raise CapabilityError(f"cannot add a '{engine.backend_name}' engine: it lacks {missing} that the group declares")
+        member = _Member(engine, len(self._members))
+        member.serving = False
+        member.healthy = False
+        self._members.append(member)
+        self._ensure_started()
+        await self._probe(member)
+        return member.index
+
+    # ---- routing (hot path: keep it lean) --------------------------------------------------------
+    def _free(self, m: _Member) -> bool:
+        return m.serving and (self.max_outstanding is None or m.outstanding < self.max_outstanding)
+
+    def _pick(self, request: GenerateRequest) -> tuple[_Member | None, deque[asyncio.Future[None]]]:
+        """The member to send ``request`` to now, or None and the queue to wait in."""
+        members = self._members
+        n = len(members)
+        if self.routing == "sticky" and request.session_id is not None:
+            start = zlib.crc32(request.session_id.encode()) % n
+            for k in range(n):
+                m = members[(start + k) % n]
+                if m.serving:  # the first member that can serve owns the session
+                    if self.max_outstanding is None or m.outstanding < self.max_outstanding:
+                        return m, m.waiters
+                    return None, m.waiters
+            return None, self._waiters
+        start = self._rr
+        self._rr = start + 1
+        if self.routing == "round_robin":
+            for k in range(n):
+                m = members[(start + k) % n]
+                if self._free(m):
+                    return m, self._waiters
+            return None, self._waiters
+        best: _Member | None = None
+        for k in range(n):  # least outstanding; the rotating start spreads ties
+            m = members[(start + k) % n]
+            if self._free(m) and (best is None or m.outstanding < best.outstanding):
+                best = m
+        return best, self._waiters
+
+    async def _wait(self, request: GenerateRequest, deadline: float | None) -> _Member:
+        loop = asyncio.get_running_loop()
+        while True:
+            member, queue = self._pick(request)
+            if member is not None:
+                return member
+            if self._closed:
+                raise EngineClosed("the engine group was closed while a request waited")
+            fut: asyncio.Future[None] = loop.create_future()
+            queue.append(fut)
+            try:
+                if deadline is None:
+                    await fut
+                else:
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise asyncio.TimeoutError
+                    await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                serving = sum(m.serving for m in self._members)
+                raise EngineUnavailable(
+                    f"no engine of the group could take the request within {self.wait_timeout_s} s "
+                    f"({serving}/{len(self._members)} serving, at most {self.max_outstanding} in flight each); "
+                    "raise max_outstanding_per_engine or wait_timeout_s, or add engines"
+                ) from None
+            finally:
+                if not fut.done():
+                    fut.cancel()
+                try:
+                    queue.remove(fut)
+                except ValueError:
+                    pass
+
+    def _release(self, m: _Member) -> None:
+        # a freed slot goes to a request stuck to this member first, then to any request
+        for queue in (m.waiters, self._waiters):
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+                    return
+
+    def _wake_all(self) -> None:
+        for queue in [self._waiters, *(m.waiters for m in self._members)]:
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def _generate(self, request: GenerateRequest) -> list[Completion]:
+        deadline = None
+        failures = 0
+        task = asyncio.current_task()
+        assert task is not None
+        if self._health_task is None and self.health_interval_s is not None:
+            self._ensure_started()
+        while True:
+            member, _ = self._pick(request)
+            if member is None:
+                if deadline is None and self.wait_timeout_s is not None:
+                    deadline = asyncio.get_running_loop().time() + self.wait_timeout_s
+                member = await self._wait(request, deadline)
+            member.outstanding += 1
+            member.inflight.add(task)
+            try:
+                result = await member.engine.generate(request)
+            except asyncio.CancelledError:
+                if task not in self._evicted:
+                    raise  # the caller cancelled
+                self._evicted.discard(task)
+                uncancel = getattr(task, "uncancel", None)
+                if uncancel is not None:
+                    uncancel()
+                error: BaseException = EngineUnavailable(f"member {member.index} was marked down")
+            except CLIENT_ERRORS:
+                raise
+            except Exception as exc:
+                error = exc
+            else:
+                member.completed += 1
+                return result
+            finally:
+                member.inflight.discard(task)
+                member.outstanding -= 1
+                self._release(member)
+            if not await self._is_engine_failure(member, error):
+                raise error
+            failures += 1
+            if failures >= self.max_attempts:
+                raise EngineUnavailable(
+                    f"request failed on {failures} engines of the group; last error: {error!r}"
+                ) from error
+            self.retried += 1
+            logger.debug("retrying a request after member %d failed: %r", member.index, error)
+            self._ensure_started()
+
+    async def _is_engine_failure(self, member: _Member, error: BaseException) -> bool:
+        """Decide whether ``error`` means the member is broken (mark it down, retry the request
+        elsewhere) or is specific to the request (raise it to the caller)."""
+        if not isinstance(error, ENGINE_FAILURES) and member.serving:
+            # An unexpected error: blame the engine only if it also fails its health check, so
+            # one poisonous request cannot take down every member in turn.
+            if await self._healthy(member):
+                return False
+        self._mark_down(member, error)
+        return True
+
+    def _mark_down(self, m: _Member, error: BaseException | str) -> None:
+        m.last_error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        if not m.healthy and not m.serving:
+            return
+        m.failures += 1
+        m.healthy = m.serving = False
+        logger.warning("engine group: member %d (%s) is down: %s", m.index, m.engine.backend_name, m.last_error)
+        # Its in-flight requests are retried elsewhere now rather than when (if ever) it answers.
+        for task in list(m.inflight):
+            self._evicted.add(task)
+            task.cancel()
+        self._wake_all()  # requests waiting for this member re-route
+
+    # ---- health and rejoin ---------------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        if self._weights_lock is None:
+            self._weights_lock = asyncio.Lock()
+        if self._health_task is None and self.health_interval_s is not None and not self._closed:
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop(), name="roe-group-health")
+
+    async def _health_loop(self) -> None:
+        assert self.health_interval_s is not None
+        while not self._closed:
+            try:
+                await self.check_health()
+            except Exception:  # the loop must survive anything a member does
+                logger.exception("engine group health check failed")
+            await asyncio.sleep(self.health_interval_s)
+
+    async def _healthy(self, m: _Member) -> bool:
+        try:
+            return bool(await asyncio.wait_for(m.engine.health(), self.health_timeout_s))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            m.last_error = f"health: {type(exc).__name__}: {exc}"
+            return False
+
+    async def check_health(self) -> list[bool]:
+        """Probe every member now: mark failed ones down, bring returning ones back (after giving
+        them the latest weights). Returns which members serve afterwards."""
+        self._ensure_started()
+        await asyncio.gather(*(self._probe(m) for m in list(self._members)))
+        return [m.serving for m in self._members]
+
+    async def _probe(self, m: _Member) -> None:
+        if m.rejoining:
+            return
+        if not await self._healthy(m):
+            self._mark_down(m, m.last_error or "health check failed")
+            return
+        try:
+            info = await asyncio.wait_for(m.engine.info(), self.health_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._mark_down(m, exc)
+            return
+        if m.serving and info.weight_version == self.weight_version:
+            return
+        if m.serving:  # restarted between two checks (e.g. by Ray) with its initial weights
+            self._mark_down(m, f"weight version went from {m.version} to {info.weight_version}")
+            m.in_session = False
+        m.healthy = True
+        m.version = info.weight_version
+        await self._rejoin(m)
+
+    async def _rejoin(self, m: _Member) -> None:
+        assert self._weights_lock is not None
+        m.rejoining = True
+        try:
+            async with self._weights_lock:
+                target = self.weight_version
+                if m.version != target:
+                    if not await self._bring_to_version(m, target):
+                        return
+                    info = await asyncio.wait_for(m.engine.info(), self.health_timeout_s)
+                    m.version = info.weight_version
+                    if m.version != target:
+                        m.last_error = f"rejoin left it at v{m.version}, not v{target}"
+                        logger.error("engine group: member %d %s", m.index, m.last_error)
+                        return
+                await self._apply_group_state(m)
+            m.serving = True
+            m.warned_stale = False
+            logger.info("engine group: member %d serves again at weight v%d", m.index, m.version)
+            self._wake_all()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            m.last_error = f"rejoin: {type(exc).__name__}: {exc}"
+            logger.warning("engine group: member %d could not rejoin: %s", m.index, m.last_error)
+        finally:
+            m.rejoining = False
+
+    async def _bring_to_version(self, m: _Member, version: int) -> bool:
+        if self.on_rejoin is not None:
+            await self.on_rejoin(m.engine, version)
+            return True
+        if self.weight_source is not None:
+            await self._push_from_source(m, version)
+            return True
+        if not m.warned_stale:
+            m.warned_stale = True
+            logger.error(
+                "engine group: member %d is healthy but has weight v%d, not the group's v%d; it gets no "
+                "traffic. Pass on_rejoin= or weight_source= to EngineGroup so it can be brought up to date",
+                m.index, m.version, version,
+            )
+        m.last_error = f"stale weights (v{m.version} < v{version}) and no on_rejoin / weight_source"
+        return False
+
+    async def _push_from_source(self, m: _Member, version: int) -> None:
+        from .weights.session import connect_weight_sync
+
+        source = self.weight_source
+        if isinstance(source, str | Path):
+            from .weights.checkpoint import load_checkpoint
+
+            tensors: Any = await asyncio.to_thread(load_checkpoint, source)
+        else:
+            assert source is not None
+            tensors = source(version)
+            if asyncio.iscoroutine(tensors) or isinstance(tensors, Awaitable):
+                tensors = await tensors
+        transport = self.rejoin_transport or self._last_transport
+        if transport is None:
+            transport = next(iter(m.engine.capabilities.transports), "inproc")
+        sync = await connect_weight_sync([m.engine], transport)
+        try:
+            await sync.push(tensors, version=version)
+        finally:
+            await sync.close()
+
+    async def _apply_group_state(self, m: _Member) -> None:
+        """A returning member joins the group's state: asleep and paused like the others."""
+        if self._sleep_state is not None:
+            level, tags = self._sleep_state
+            await m.engine.sleep(level, tags)
+        if self._paused:
+            await m.engine.pause()
+
+    # ---- fan-out -------------------------------------------------------------------------------
+    async def _fan_out(
+        self, call: Callable[[Engine], Awaitable[Any]], what: str, members: Sequence[_Member] | None = None
+    ) -> list[Any]:
+        """Call every (healthy) member; client errors are raised, engine failures mark it down."""
+        self._ensure_started()
+        targets = [m for m in (members if members is not None else self._members) if m.healthy]
+        results = await asyncio.gather(*(call(m.engine) for m in targets), return_exceptions=True)
+        client: list[tuple[_Member, BaseException]] = []
+        for m, r in zip(targets, results, strict=True):
+            if isinstance(r, CLIENT_ERRORS):
+                client.append((m, r))
+            elif isinstance(r, BaseException):
+                self._mark_down(m, r)
+        if client:
+            m, first = client[0]
+            logger.warning("engine group: %s failed on %d/%d engines; member %d: %s", what, len(client),
+                           len(targets), m.index, first)
+            raise first
+        return [r for r in results if not isinstance(r, BaseException)]
+
+    async def _sleep(self, level: int, tags: Sequence[str]) -> None:
+        await self._fan_out(lambda e: e.sleep(level, tags), "sleep")
+        self._sleep_state = (level, list(tags))
+
+    async def _wake_up(self, tags: Sequence[str]) -> None:
+        await self._fan_out(lambda e: e.wake_up(tags), "wake_up")
+        if self._sleep_state is not None:
+            left = [t for t in self._sleep_state[1] if t not in tags]
+            self._sleep_state = (self._sleep_state[0], left) if left else None
+
+    async def _reset_prefix_cache(self) -> None:
+        await self._fan_out(lambda e: e.reset_prefix_cache(), "reset_prefix_cache")
+
+    async def _pause(self) -> None:
+        await self._fan_out(lambda e: e.pause(), "pause")
+
+    async def _resume(self) -> None:
+        await self._fan_out(lambda e: e.resume(), "resume")
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        # members reset their own prefix caches on wake-up; skip the base class's second reset
+        self._check_not_closed()
+        tags = list(tags or sorted(self._asleep))
+        self._check_tags(tags)
+        todo = [t for t in tags if t in self._asleep]
+        if todo:
+            await self._wake_up(todo)
+            self._asleep.difference_update(todo)
+
+    # ---- weight sync ---------------------------------------------------------------------------
+    def weight_receivers(self) -> int:
+        """Ranks of every healthy member's workers (what :func:`connect_weight_sync` reserves)."""
+        plan = [m for m in self._members if m.healthy]
+        self._session_plan = plan
+        return sum(m.receivers for m in plan)
+
+    async def _init_weight_transfer(self, spec: TransportSpec) -> None:
+        self._ensure_started()
+        plan = self._session_plan if self._session_plan is not None else [m for m in self._members if m.healthy]
+        self._session_plan = None
+        if not plan:
+            raise EngineUnavailable("no engine of the group is healthy; nothing can join the weight sync")
+        offsets, offset = [], spec.rank_offset
+        for m in plan:
+            offsets.append(offset)
+            offset += m.receivers
+        results = await asyncio.gather(
+            *(m.engine.init_weight_transfer(spec.model_copy(update={"rank_offset": off})) for m, off in zip(plan, offsets, strict=True)),
+            return_exceptions=True,
+        )
+        self._last_transport = spec.transport
+        errors = []
+        for m, r in zip(plan, results, strict=True):
+            m.in_session = not isinstance(r, BaseException)
+            if isinstance(r, BaseException):
+                errors.append((m, r))
+        if errors:
+            m, first = errors[0]
+            if isinstance(first, CapabilityError):
+                raise first
+            raise WeightSyncError(
+                f"member {m.index} ({m.engine.backend_name}) could not join the '{spec.transport}' weight sync: {first}",
+                peer=f"group member {m.index}",
+            ) from first
+
+    async def receive_weights(self, manifest: WeightManifest) -> int:
+        """Fan one update out to every member of the session; returns the new version.
+
+        Members that applied it serve at the new version; members that failed (or were not in the
+        session) get no traffic until they are brought up to date (see *Rejoin*)."""
+        self._check_not_closed()
+        self._ensure_started()
+        assert self._weights_lock is not None
+        members = [m for m in self._members if m.in_session]
+        if not members:
+            raise WeightSyncError(
+                "no engine of the group is in a weight-sync session; connect one with connect_weight_sync([group], ...)"
+            )
+        async with self._weights_lock:
+            results = await asyncio.gather(*(m.engine.receive_weights(manifest) for m in members), return_exceptions=True)
+            ok = [m for m, r in zip(members, results, strict=True) if not isinstance(r, BaseException)]
+            failed = [(m, r) for m, r in zip(members, results, strict=True) if isinstance(r, BaseException)]
+            for m in ok:
+                m.version = manifest.version
+            if ok and manifest.version != self.weight_version:
+                self.weight_version = manifest.version
+                for m in self._members:
+                    if m.version != self.weight_version and m.serving:
+                        m.serving = False  # stale: no traffic until it rejoins at this version
+                        m.last_error = f"missed weight update v{manifest.version}"
+            for m, r in failed:
+                if not isinstance(r, CLIENT_ERRORS):
+                    self._mark_down(m, r)
+                m.in_session = False
+        if failed:
+            m, first = failed[0]
+            detail = " | ".join(f"member {m.index} ({m.engine.backend_name}): {r}" for m, r in failed)
+            raise WeightSyncError(
+                f"weight update v{manifest.version} failed on {len(failed)}/{len(members)} engines of the group "
+                f"({len(ok)} applied it): {detail}. Close this weight sync and connect again "
+                "(connect_weight_sync([group], ...)); members that missed it rejoin once up to date",
+                peer=f"group member {m.index}",
+            ) from first
+        if any(not m.serving for m in self._members):  # bring the members that missed it up to date
+            task = asyncio.get_running_loop().create_task(self.check_health())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return self.weight_version
+
+    async def close_weight_transfer(self) -> None:
+        members = [m for m in self._members if m.in_session]
+        for m in members:
+            m.in_session = False
+        await asyncio.gather(*(m.engine.close_weight_transfer() for m in members), return_exceptions=True)
+
+    # ---- info / health / close -----------------------------------------------------------------
+    async def info(self) -> EngineInfo:
+        return EngineInfo(
+            backend=self.backend_name,
+            model=self.config.model,
+            weight_version=self.weight_version,
+            asleep=sorted(self._asleep),
+            paused=self._paused,
+            outstanding=sum(m.outstanding for m in self._members),
+            healthy=not self._closed and any(m.serving for m in self._members),
+            capabilities=self.capabilities.model_dump(),
+            extra={"routing": self.routing, "retried": self.retried, "members": self.member_stats()},
+        )
+
+    async def health(self) -> bool:
+        """True while at least one member serves."""
+        return not self._closed and any(m.serving for m in self._members)
+
+    async def _close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._health_task = None
+        self._wake_all()
+        results = await asyncio.gather(*(m.engine.close() for m in self._members), return_exceptions=True)
+        for m, r in zip(self._members, results, strict=True):
+            if isinstance(r, BaseException):
+                logger.warning("engine group: closing member %d failed: %r", m.index, r)
+
+
+__all__ = ["CLIENT_ERRORS", "ENGINE_FAILURES", "EngineGroup", "ROUTINGS", "Routing", "intersect_capabilities"]

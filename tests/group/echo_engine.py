@@ -1,0 +1,182 @@
+"""``EchoEngine``: a small, deterministic engine for router-level tests (a test double, not a model).
+
+It is a real :class:`Engine` subclass (the base class's rules apply) whose "model" is one tensor
+``bias`` (shape ``[workers, 4]``): every output token is ``prompt token + sum(bias)`` modulo 1000, so
+a weight push changes the output. It receives weights through real :class:`WeightReceiver` s, one
+per "worker", over the ``inproc`` transport, so rank offsets in a group are exercised for real.
+
+Test controls: ``delay_s`` keeps requests in flight; :meth:`crash` makes the engine fail like a
+dead process (in-flight and new requests raise :class:`EngineUnavailable`, health is False);
+:meth:`restart` brings it back as a fresh process would be: initial weights, version 0, no session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+from rollout_engines import Capabilities, Completion, Engine, EngineConfig, GenerateRequest
+from rollout_engines.errors import EngineUnavailable
+from rollout_engines.weights.manifest import TransportSpec, WeightManifest
+from rollout_engines.weights.receiver import StateDictTarget, WeightReceiver
+
+VOCAB = 1000
+#: A prompt starting with this token makes _generate raise a RuntimeError (a bug, not a dead engine).
+POISON = 666
+
+
+class _Bias(torch.nn.Module):
+    def __init__(self, workers: int) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(workers, 4), requires_grad=False)
+
+
+class EchoEngine(Engine):
+    backend_name = "echo"
+    capabilities = Capabilities(
+        sleep_levels=(1,), sleep_tags=("weights", "kv_cache"), transports=("inproc",), stop_strings=False,
+    )
+
+    def __init__(self, name: str = "echo", *, delay_s: float = 0.0, workers: int = 1) -> None:
+        super().__init__(EngineConfig(backend="echo", model=f"echo:{name}"))
+        self.name, self.delay_s, self.workers = name, delay_s, workers
+        self.served: Counter[str] = Counter()  # request tag -> times answered
+        self.calls = 0
+        self.concurrent = 0
+        self.max_concurrent = 0
+        self.crashed = False
+        self.slept = 0
+        self.paused_calls = 0
+        self.prefix_resets = 0
+        self._inflight: set[asyncio.Future[None]] = set()
+        self._fresh_model()
+
+    def _fresh_model(self) -> None:
+        self.module = _Bias(self.workers)
+        self.receivers: list[WeightReceiver] = []
+        self.ranks: list[int] = []
+
+    def weight_receivers(self) -> int:
+        return self.workers
+
+    def offset(self) -> int:
+        return int(round(float(self.module.bias.sum()))) % VOCAB
+
+    # ---- controls ------------------------------------------------------------------------------
+    def crash(self) -> None:
+        """Fail like a dead process: in-flight requests and every later call raise."""
+        self.crashed = True
+        for fut in list(self._inflight):
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(f"{self.name} crashed"))
+
+    def restart(self) -> None:
+        """Come back like a restarted process: initial weights, version 0, no weight session."""
+        self.crashed = False
+        self.weight_version = 0
+        self._asleep.clear()
+        self._weights_invalid = None
+        self._fresh_model()
+
+    def _alive(self) -> None:
+        if self.crashed:
+            raise EngineUnavailable(f"{self.name} crashed")
+
+    # ---- engine hooks --------------------------------------------------------------------------
+    async def _generate(self, request: GenerateRequest) -> list[Completion]:
+        self._alive()
+        self.calls += 1
+        self.concurrent += 1
+        self.max_concurrent = max(self.max_concurrent, self.concurrent)
+        try:
+            return await self._answer(request)
+        finally:
+            self.concurrent -= 1
+
+    async def _answer(self, request: GenerateRequest) -> list[Completion]:
+        prompts = request.prompt_token_ids or [[len(p)] for p in (request.prompts or [])]
+        if any(t >= VOCAB for p in prompts for t in p):
+            raise ValueError(f"token ids must be < {VOCAB} for this engine")
+        if prompts[0][0] == POISON:
+            raise RuntimeError("this prompt breaks the engine's code (but not the engine)")
+        if self.delay_s:
+            fut = asyncio.get_running_loop().create_future()
+            self._inflight.add(fut)
+            handle = asyncio.get_running_loop().call_later(self.delay_s, lambda: fut.done() or fut.set_result(None))
+            try:
+                await fut
+            finally:
+                handle.cancel()
+                self._inflight.discard(fut)
+        self._alive()
+        tag = request.session_id or "-"
+        self.served[tag] += 1
+        off = self.offset()
+        n = request.sampling.max_tokens
+        return [
+            Completion(
+                prompt_index=i, prompt_token_ids=p, token_ids=[(p[-1] + off + k) % VOCAB for k in range(n)],
+                finish_reason="length", weight_version=self.weight_version,
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+    async def _sleep(self, level: int, tags: Sequence[str]) -> None:
+        self._alive()
+        self.slept += 1
+
+    async def _wake_up(self, tags: Sequence[str]) -> None:
+        self._alive()
+
+    async def _reset_prefix_cache(self) -> None:
+        self._alive()
+        self.prefix_resets += 1
+
+    async def _pause(self) -> None:
+        self._alive()
+        self.paused_calls += 1
+
+    async def _init_weight_transfer(self, spec: TransportSpec) -> None:
+        self._alive()
+        self.receivers = []
+        self.ranks = []
+        for local in range(self.workers):
+            receiver = WeightReceiver(_WorkerTarget(self.module, local), label=f"{self.name}/{local}")
+            receiver.connect(spec, local_rank=local)
+            self.receivers.append(receiver)
+            self.ranks.append(spec.rank_offset + local)
+
+    async def _receive_weights(self, manifest: WeightManifest) -> None:
+        self._alive()
+        if not self.receivers:
+            raise EngineUnavailable(f"{self.name} has no weight session (restarted?)")
+        await asyncio.gather(*(asyncio.to_thread(r.receive, manifest) for r in self.receivers))
+
+    async def _close_weight_transfer(self) -> None:
+        for r in self.receivers:
+            r.close()
+        self.receivers = []
+
+    async def health(self) -> bool:
+        return not self.crashed and await super().health()
+
+
+class _WorkerTarget(StateDictTarget):
+    """Worker ``local`` owns row ``local`` of the bias (like a TP shard; here each worker receives
+    the full tensor and keeps its row)."""
+
+    def __init__(self, module: torch.nn.Module, local: int) -> None:
+        super().__init__(module)
+        self.local = local
+
+    def apply(self, named, *, owned: bool) -> None:  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            for name, tensor in named:
+                if name == "bias":
+                    self.module.bias[self.local].copy_(tensor[self.local])
+
+
+def echo_tokens(prompt_last: int, offset: int, n: int) -> list[int]:
+    return [(prompt_last + offset + k) % VOCAB for k in range(n)]

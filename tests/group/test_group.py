@@ -1,0 +1,302 @@
+"""EngineGroup routing, backpressure, fan-out, weight-sync fan-out, failover and rejoin, on
+EchoEngine members (no model: these are router tests, outputs only need to be deterministic)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+import torch
+from echo_engine import POISON, EchoEngine, echo_tokens
+from rollout_engines import (
+    CapabilityError,
+    EngineAsleep,
+    EngineGroup,
+    EngineUnavailable,
+    GenerateRequest,
+    SamplingParams,
+    connect_weight_sync,
+)
+from safetensors.torch import save_file
+
+
+def req(token: int = 1, tag: str | None = None, max_tokens: int = 2) -> GenerateRequest:
+    return GenerateRequest(prompt_token_ids=[[token]], session_id=tag, sampling=SamplingParams(max_tokens=max_tokens))
+
+
+def group_of(n: int, **kw) -> tuple[EngineGroup, list[EchoEngine]]:
+    workers = kw.pop("workers", 1)
+    delay = kw.pop("delay_s", 0.0)
+    engines = [EchoEngine(f"e{i}", delay_s=delay, workers=workers) for i in range(n)]
+    kw.setdefault("health_interval_s", None)
+    return EngineGroup(engines, **kw), engines
+
+
+async def test_round_robin_spreads_evenly():
+    group, engines = group_of(3, routing="round_robin")
+    for _ in range(30):
+        await group.generate(req())
+    assert [e.calls for e in engines] == [10, 10, 10]
+
+
+async def test_least_outstanding_prefers_the_faster_engine():
+    slow, fast = EchoEngine("slow", delay_s=0.05), EchoEngine("fast", delay_s=0.002)
+    group = EngineGroup([slow, fast], routing="least_outstanding", health_interval_s=None)
+
+    async def worker() -> None:
+        for _ in range(10):
+            await group.generate(req())
+
+    await asyncio.gather(*(worker() for _ in range(4)))
+    assert slow.calls + fast.calls == 40
+    assert fast.calls > 2 * slow.calls, (slow.calls, fast.calls)
+
+
+async def test_sticky_sessions_stay_on_one_engine_and_move_only_while_it_is_down():
+    group, engines = group_of(3, routing="sticky")
+    sessions = [f"s{i}" for i in range(30)]
+    for _ in range(3):
+        for s in sessions:
+            await group.generate(req(tag=s))
+    owner = {s: next(i for i, e in enumerate(engines) if e.served[s]) for s in sessions}
+    for s in sessions:
+        assert engines[owner[s]].served[s] == 3  # every turn on the same engine
+    assert len(set(owner.values())) == 3  # sessions are spread over all engines
+
+    engines[0].crash()
+    await group.check_health()
+    moved = [s for s in sessions if owner[s] == 0]
+    for s in sessions:
+        for _ in range(2):
+            await group.generate(req(tag=s))
+        if owner[s] != 0:
+            assert engines[owner[s]].served[s] == 5  # sessions of healthy engines do not move
+        else:  # a moved session sticks to one new engine while its owner is down
+            assert sorted(e.served[s] for e in engines[1:]) == [0, 2]
+
+    engines[0].restart()
+    await group.check_health()
+    for s in moved:
+        await group.generate(req(tag=s))
+        assert engines[0].served[s] == 4  # back on its own engine
+
+
+async def test_backpressure_bounds_requests_in_flight_per_engine():
+    group, engines = group_of(2, delay_s=0.02, max_outstanding_per_engine=3)
+    outs = await asyncio.gather(*(group.generate(req(i % 100)) for i in range(40)))
+    assert len(outs) == 40
+    assert [e.max_concurrent for e in engines] == [3, 3]
+    assert sum(e.calls for e in engines) == 40
+
+
+async def test_waiting_past_the_timeout_raises_engine_unavailable():
+    group, engines = group_of(1, delay_s=0.5, max_outstanding_per_engine=1, wait_timeout_s=0.05)
+    results = await asyncio.gather(*(group.generate(req()) for _ in range(3)), return_exceptions=True)
+    assert sum(isinstance(r, list) for r in results) == 1
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert len(errors) == 2 and all(isinstance(e, EngineUnavailable) for e in errors)
+    assert "max_outstanding_per_engine" in str(errors[0])
+
+
+async def test_failed_engine_requests_complete_exactly_once_on_the_others():
+    group, engines = group_of(3, delay_s=0.05, max_outstanding_per_engine=20)
+    tags = [f"r{i}" for i in range(200)]
+
+    async def crash_soon() -> None:
+        await asyncio.sleep(0.03)
+        engines[1].crash()
+
+    results, _ = await asyncio.gather(
+        asyncio.gather(*(group.generate(req(i % 100, tag=t)) for i, t in enumerate(tags))), crash_soon()
+    )
+    assert len(results) == 200
+    for i, out in enumerate(results):  # each caller got its own answer
+        assert out[0].token_ids == echo_tokens(i % 100, 0, 2)
+    served = Counter()
+    for e in engines:
+        served.update(e.served)
+    assert set(served) == set(tags) and set(served.values()) == {1}  # none lost, none answered twice
+    assert engines[1].calls > engines[1].served.total()  # it crashed with requests in flight
+    assert group.retried > 0
+    stats = group.member_stats()
+    assert not stats[1]["serving"] and stats[1]["failures"] == 1
+    assert stats[0]["serving"] and stats[2]["serving"]
+
+
+async def test_client_errors_are_raised_not_retried():
+    group, engines = group_of(2)
+    with pytest.raises(ValueError, match="token ids must be < 1000"):
+        await group.generate(req(5000))
+    with pytest.raises(RuntimeError, match="breaks the engine's code"):
+        await group.generate(req(POISON))  # a bug with a healthy engine: not the engine's failure
+    assert sum(e.calls for e in engines) == 2  # one attempt each
+    assert group.retried == 0 and all(s["serving"] for s in group.member_stats())
+    with pytest.raises(CapabilityError, match="stop on strings"):  # checked against the group's capabilities
+        await group.generate(GenerateRequest(prompt_token_ids=[[1]], sampling=SamplingParams(stop=["x"])))
+
+
+async def test_every_engine_down_raises_after_the_wait():
+    group, engines = group_of(2, wait_timeout_s=0.1)
+    for e in engines:
+        e.crash()
+    with pytest.raises(EngineUnavailable, match="0/2 serving"):
+        await group.generate(req())
+    assert not await group.health()
+
+
+async def test_fan_out_of_sleep_wake_pause_resume_and_prefix_reset():
+    group, engines = group_of(3)
+    await group.sleep(level=1)
+    assert [e.slept for e in engines] == [1, 1, 1]
+    assert all(e.info is not None and e._asleep for e in engines)
+    with pytest.raises(EngineAsleep):
+        await group.generate(req())
+    await group.wake_up()
+    assert not any(e._asleep for e in engines)
+    await group.reset_prefix_cache()
+    assert all(e.prefix_resets >= 1 for e in engines)
+    await group.pause()
+    assert all(e.paused_calls == 1 and e._paused for e in engines)
+    pending = asyncio.ensure_future(group.generate(req()))
+    await asyncio.sleep(0.02)
+    assert not pending.done()  # held while paused
+    await group.resume()
+    assert (await pending)[0].token_ids == echo_tokens(1, 0, 2)
+    info = await group.info()
+    assert info.backend == "group" and len(info.extra["members"]) == 3
+
+
+async def test_weight_push_reaches_every_worker_with_rank_offsets():
+    group, engines = group_of(2, workers=2)
+    single = EchoEngine("single", workers=2)
+    assert group.weight_receivers() == 4
+    sync = await connect_weight_sync([group, single], "inproc")
+    try:
+        assert [e.ranks for e in engines] == [[1, 2], [3, 4]]
+        assert single.ranks == [5, 6]
+        await sync.push({"bias": torch.full((2, 4), 2.0)}, version=7)
+    finally:
+        await sync.close()
+    assert group.weight_version == 7 and (await group.info()).weight_version == 7
+    for e in [*engines, single]:
+        assert e.weight_version == 7 and e.offset() == 16  # both workers' rows arrived
+    outs = [await group.generate(req(10)) for _ in range(4)]
+    assert all(o[0].token_ids == echo_tokens(10, 16, 2) and o[0].weight_version == 7 for o in outs)
+
+
+async def _push_bias(engine, value: float, version: int) -> None:
+    sync = await connect_weight_sync([engine], "inproc")
+    try:
+        await sync.push({"bias": torch.full((1, 4), value)}, version=version)
+    finally:
+        await sync.close()
+
+
+async def test_returning_engine_gets_the_latest_weights_before_traffic():
+    pushed: list[tuple[str, int]] = []
+
+    async def on_rejoin(engine, version):
+        pushed.append((engine.name, version))
+        await _push_bias(engine, 1.0, version)
+
+    group, engines = group_of(3, on_rejoin=on_rejoin)
+    await _push_bias(group, 1.0, 1)
+    engines[2].crash()
+    await group.check_health()
+    engines[2].restart()  # back with its initial weights, version 0
+    assert engines[2].weight_version == 0
+    serving = await group.check_health()
+    assert serving == [True, True, True] and pushed == [("e2", 1)]
+    assert engines[2].weight_version == 1
+    before = engines[2].calls
+    outs = [await group.generate(req(3)) for _ in range(9)]
+    assert engines[2].calls == before + 3  # it takes traffic again
+    assert all(o[0].token_ids == echo_tokens(3, 4, 2) for o in outs)  # with the same weights
+
+
+async def test_stale_engine_without_a_rejoin_path_gets_no_traffic():
+    group, engines = group_of(2)
+    await _push_bias(group, 1.0, 1)
+    engines[0].crash()
+    await group.check_health()
+    engines[0].restart()
+    assert await group.check_health() == [False, True]
+    assert "no on_rejoin / weight_source" in group.member_stats()[0]["last_error"]
+    for _ in range(4):
+        out = await group.generate(req(3))
+        assert out[0].weight_version == 1
+    assert engines[0].served.total() == 0
+
+
+async def test_engine_that_missed_a_push_rejoins_from_a_weight_source_directory(tmp_path):
+    group, engines = group_of(2, weight_source=tmp_path, rejoin_transport="inproc")
+    engines[1].crash()
+    await group.check_health()
+    sync = await connect_weight_sync([group], "inproc")  # engine 1 is down: not in the session
+    assert engines[1].receivers == []
+    weights = {"bias": torch.full((1, 4), 3.0)}
+    save_file(weights, str(tmp_path / "model.safetensors"))  # the trainer keeps its latest weights here
+    await sync.push(weights, version=5)
+    await sync.close()
+    engines[1].restart()
+    assert await group.check_health() == [True, True]
+    assert engines[1].weight_version == 5 and engines[1].offset() == 12
+    outs = [await group.generate(req(1)) for _ in range(4)]
+    assert {tuple(o[0].token_ids) for o in outs} == {tuple(echo_tokens(1, 12, 2))}
+
+
+async def test_push_fails_with_a_clear_error_when_a_session_member_died():
+    group, engines = group_of(2)
+    sync = await connect_weight_sync([group], "inproc", timeout_s=2)
+    engines[0].crash()
+    with pytest.raises(Exception, match="member 0"):
+        await sync.push({"bias": torch.ones(1, 4)}, version=1)
+    await sync.close()
+    # reconnect: the new session has the healthy member only, and the push works
+    sync = await connect_weight_sync([group], "inproc", timeout_s=2)
+    await sync.push({"bias": torch.ones(1, 4)}, version=2)
+    await sync.close()
+    assert engines[1].weight_version == 2 and group.weight_version == 2
+
+
+async def test_background_health_checks_mark_down_and_bring_back():
+    group, engines = group_of(2, health_interval_s=0.02)
+    await group.generate(req())  # starts the health loop
+    engines[0].crash()
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if not group.member_stats()[0]["serving"]:
+            break
+    assert not group.member_stats()[0]["serving"]
+    engines[0].restart()
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if group.member_stats()[0]["serving"]:
+            break
+    assert group.member_stats()[0]["serving"]
+    await group.close()
+    assert all(e.closed for e in engines)
+
+
+async def test_added_engine_joins_at_the_group_version():
+    async def on_rejoin(engine, version):
+        await _push_bias(engine, 2.0, version)
+
+    group, engines = group_of(1, on_rejoin=on_rejoin)
+    await _push_bias(group, 2.0, 3)
+    extra = EchoEngine("extra")
+    index = await group.add_engine(extra)
+    assert index == 1 and extra.weight_version == 3 and group.member_stats()[1]["serving"]
+    with pytest.raises(ValueError, match="already a member"):
+        await group.add_engine(extra)
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError, match="at least one engine"):
+        EngineGroup([])
+    e = EchoEngine()
+    with pytest.raises(ValueError, match="same engine object twice"):
+        EngineGroup([e, e])
+    with pytest.raises(ValueError, match="unknown routing 'random'"):
+        EngineGroup([e], routing="random")  # type: ignore[arg-type]
