@@ -1,0 +1,423 @@
+"""``transformers``: the embedded default backend, a real engine on transformers model code.
+
+It runs on the CPU or one GPU, in the caller's process:
+
+- **One worker thread owns the model.** Every generate, sleep, wake-up and weight update is a job
+  on that thread's queue, so the event loop is never blocked and no two of them ever overlap:
+  generation never runs while weights are being applied. Generate jobs waiting in the queue are
+  merged into one batch (each row keeps its own sampling parameters), up to ``max_batch_rows``.
+- **Generation** is a left-padded batch with a ``DynamicCache`` and our own sampler
+  (:mod:`.sampling`, :mod:`.generation`), so every :class:`SamplingParams` field is honoured.
+- **KV cache**: none is kept between requests (each batch builds its own and drops it), so there
+  is no prefix cache to reset and sleeping the ``kv_cache`` tag only returns cached allocator
+  memory to the device.
+- **Sleep**: level 1 offloads the weights (to CPU memory on a GPU; on the CPU the parameters'
+  storage is detached from the model and kept aside) and restores them on wake-up; level 2
+  discards them, and the engine refuses to generate until a complete push arrives.
+- **Weights** arrive through the core's :class:`WeightReceiver` over any registered transport the
+  device can take (on a GPU, CPU transports land on the host and are copied up).
+
+Options (``EngineConfig.options``): ``attn_implementation`` (default ``"sdpa"``),
+``max_batch_rows`` (default 256), ``weight_apply_mode`` (``"staged"``, the default: an interrupted
+update changes nothing; ``"inplace"``: no second copy of the weights, an interrupted update makes
+the engine refuse to generate until the next complete push).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import gc
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, TypeVar
+
+import torch
+
+from ...engine import Capabilities, Engine
+from ...errors import EngineAsleep, EngineClosed, InvalidRequest, ManifestMismatch, WeightsInvalidated, WeightSyncError
+from ...types import Completion, EngineConfig, GenerateRequest
+from ...weights.manifest import TensorSpec, TransportSpec, WeightManifest
+from ...weights.receiver import StateDictTarget, WeightReceiver
+from .generation import Row, make_rows, run_batch
+
+logger = logging.getLogger("rollout_engines.backends.transformers")
+
+T = TypeVar("T")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_CPU_TRANSPORTS = ("inproc", "gloo", "shm", "disk")
+_CUDA_TRANSPORTS = ("nccl", "cuda_ipc")
+
+
+@dataclass
+class _GenerateJob:
+    request: GenerateRequest
+    future: concurrent.futures.Future[list[Completion]]
+    rows: list[Row] | None = None
+
+
+@dataclass
+class _CallJob:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future[Any]
+
+
+class _RejectAllTarget:
+    """Stands in for the model while a push is refused as a whole: every name is unknown, so the
+    receiver rejects the manifest and drains the stream (the sender and other engines stay in step)."""
+
+    def expected_specs(self) -> Mapping[str, TensorSpec]:
+        return {}
+
+    def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
+        raise AssertionError("nothing is applied from a rejected update")
+
+
+def _pick_device(config: EngineConfig) -> torch.device:
+    if config.device:
+        return torch.device(config.device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _transports_for(device: torch.device) -> tuple[str, ...]:
+    """Every registered transport whose receiver can land on this device (CPU always: buckets that
+    land on the host are copied to the GPU by the target)."""
+    from ...plugins import get_registry
+
+    wanted = {"cpu"} | ({device.type} if device.type != "cpu" else set())
+    names = list(_CPU_TRANSPORTS) + (list(_CUDA_TRANSPORTS) if device.type == "cuda" else [])
+    try:
+        for name, entries in get_registry().transports.items():
+            if name not in names and wanted & set(entries[0].devices):
+                names.append(name)
+    except Exception:  # a broken registry must not stop the embedded engine from starting
+        logger.debug("could not list registered transports", exc_info=True)
+    return tuple(names)
+
+
+class TransformersEngine(Engine):
+    """The embedded engine: transformers model code on the CPU or one GPU, in this process."""
+
+    backend_name: ClassVar[str] = "transformers"
+    capabilities = Capabilities(
+        sleep_levels=(1, 2),
+        sleep_tags=("weights", "kv_cache"),
+        weights_kept_on_sleep=True,
+        pause=True,
+        prefix_cache=False,
+        transports=_CPU_TRANSPORTS,
+    )
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = _pick_device(config)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequest(f"device '{self.device}' was asked for but CUDA is not available; use device='cpu'")
+        options = dict(config.options)
+        self.max_batch_rows = int(options.pop("max_batch_rows", 256))
+        apply_mode = options.pop("weight_apply_mode", "staged")
+        if apply_mode not in ("staged", "inplace"):
+            raise ValueError(f"weight_apply_mode must be 'staged' or 'inplace', not {apply_mode!r}")
+        self._apply_mode: Literal["staged", "inplace"] = apply_mode
+        attn = options.pop("attn_implementation", "sdpa")
+        if options:
+            logger.warning("transformers engine: ignoring unknown options %s", sorted(options))
+
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        dtype: Any = _DTYPES.get(config.dtype, "auto")
+        # transformers renamed torch_dtype to dtype in 4.56; the core supports older releases too.
+        dtype_kw = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
+        model = AutoModelForCausalLM.from_pretrained(config.model, attn_implementation=attn, **{dtype_kw: dtype})
+        self.hf_model = model.to(self.device).eval()
+        self.dtype = next(self.hf_model.parameters()).dtype
+        self.max_model_len = int(config.max_model_len or getattr(self.hf_model.config, "max_position_embeddings", 2048))
+        self.vocab_size = int(self.hf_model.get_input_embeddings().weight.shape[0])
+        self.pad_id = self._pad_id()
+        self.eos_ids = self._eos_ids()
+
+        self.capabilities = self.capabilities.model_copy(update={"transports": _transports_for(self.device)})
+        self._shared_generator = torch.Generator(device=self.device)
+        self._shared_generator.manual_seed(config.seed)
+        self._target = StateDictTarget(self.hf_model)
+        self._receiver: WeightReceiver | None = None
+        # Unique parameters (tied weights appear once), by their first name.
+        self._params: dict[str, torch.nn.Parameter] = dict(self.hf_model.named_parameters())
+        self._shapes = {n: (tuple(p.shape), p.dtype) for n, p in self._params.items()}
+        self._offloaded: dict[str, torch.Tensor] = {}
+        # State owned by the worker thread (checked again there: the event loop's checks can be
+        # overtaken by a sleep or a failed update queued just before a generate).
+        self._weights_state: Literal["live", "offloaded", "discarded"] = "live"
+        self._invalid_reason: str | None = None
+        self._model_version = 0
+
+        self._jobs: collections.deque[_GenerateJob | _CallJob | None] = collections.deque()
+        self._cv = threading.Condition()
+        self._worker = threading.Thread(target=self._work, name="roe-transformers", daemon=True)
+        self._worker.start()
+        logger.info("transformers engine on %s (%s): %s", self.device, self.dtype, config.model)
+
+    # ---- model facts -----------------------------------------------------------------------------
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen_eos = getattr(getattr(self.hf_model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            ids.update(int(i) for i in (gen_eos if isinstance(gen_eos, list | tuple) else [gen_eos]))
+        return frozenset(ids)
+
+    def _pad_id(self) -> int:
+        for candidate in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0):
+            if candidate is not None:
+                return int(candidate)
+        return 0
+
+    # ---- the worker thread -----------------------------------------------------------------------
+    def _submit(self, job: _GenerateJob | _CallJob) -> None:
+        with self._cv:
+            if self._closed and job is not None:
+                job.future.set_exception(EngineClosed("engine 'transformers' is closed; create a new one"))
+                return
+            self._jobs.append(job)
+            self._cv.notify()
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._submit(_CallJob(fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs:
+                    self._cv.wait()
+                job = self._jobs.popleft()
+                if job is None:
+                    return
+                batch: list[_GenerateJob] = []
+                if isinstance(job, _GenerateJob):
+                    batch.append(job)
+                    rows = job.request.batch_size * job.request.sampling.n
+                    # Merge the generate jobs queued right behind this one (not past a control job).
+                    while self._jobs and isinstance(self._jobs[0], _GenerateJob):
+                        nxt = self._jobs[0]
+                        assert nxt is not None
+                        more = nxt.request.batch_size * nxt.request.sampling.n
+                        if rows + more > self.max_batch_rows:
+                            break
+                        batch.append(self._jobs.popleft())  # type: ignore[arg-type]
+                        rows += more
+            if isinstance(job, _CallJob):
+                if job.future.set_running_or_notify_cancel():
+                    try:
+                        job.future.set_result(job.fn())
+                    except BaseException as exc:
+                        job.future.set_exception(exc)
+            else:
+                self._run_generate([j for j in batch if j.future.set_running_or_notify_cancel()])
+
+    def _run_generate(self, jobs: list[_GenerateJob]) -> None:
+        ready: list[_GenerateJob] = []
+        for job in jobs:
+            try:
+                self._check_worker_state()
+                job.rows = self._rows(job.request, first_key=sum(j.request.batch_size for j in ready))
+                ready.append(job)
+            except BaseException as exc:
+                job.future.set_exception(exc)
+        if not ready:
+            return
+        rows = [r for job in ready for r in job.rows or ()]
+        try:
+            run_batch(self.hf_model, self.tokenizer, rows, device=self.device, pad_id=self.pad_id,
+                      shared=self._shared_generator)
+            results = [[r.completion(self.tokenizer, self._model_version) for r in job.rows or ()] for job in ready]
+        except BaseException as exc:
+            logger.exception("generation failed")
+            for job in ready:
+                job.future.set_exception(exc)
+            return
+        for job, completions in zip(ready, results):
+            job.future.set_result(completions)
+
+    def _check_worker_state(self) -> None:
+        if self._weights_state != "live":
+            raise EngineAsleep("engine 'transformers' has released its weights; call wake_up() first")
+        if self._invalid_reason:
+            raise WeightsInvalidated(
+                f"engine 'transformers' refuses to generate: {self._invalid_reason}. "
+                "Push a complete set of weights (WeightSync.push) to continue"
+            )
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _prompt_ids(self, request: GenerateRequest) -> list[list[int]]:
+        if request.prompt_token_ids is not None:
+            prompts = [list(p) for p in request.prompt_token_ids]
+        elif request.prompts is not None:
+            prompts = [list(self.tokenizer(p, add_special_tokens=True)["input_ids"]) for p in request.prompts]
+        else:
+            assert request.messages is not None
+            prompts = []
+            for chat in request.messages:
+                ids = self.tokenizer.apply_chat_template(
+                    [m.model_dump() for m in chat], add_generation_prompt=True, tokenize=True
+                )
+                if isinstance(ids, Mapping):  # some releases return a BatchEncoding
+                    ids = ids["input_ids"]
+                prompts.append(list(ids))
+        for i, p in enumerate(prompts):
+            if not p:
+                raise InvalidRequest(f"prompt {i} is empty after tokenization; give at least one token of text")
+            bad = [t for t in p if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"prompt {i} has token id {bad[0]} outside the model's vocabulary (size {self.vocab_size})"
+                )
+            if len(p) >= self.max_model_len:
+                raise InvalidRequest(
+                    f"prompt {i} has {len(p)} tokens; the context window is {self.max_model_len} "
+                    "(max_model_len), which leaves no room to generate. Shorten the prompt"
+                )
+        return prompts
+
+    def _rows(self, request: GenerateRequest, first_key: int) -> list[Row]:
+        return make_rows(
+            self._prompt_ids(request), request.sampling, eos_ids=self.eos_ids, max_len=self.max_model_len,
+            device=self.device, first_key=first_key,
+        )
+
+    async def _generate(self, request: GenerateRequest) -> list[Completion]:
+        future: concurrent.futures.Future[list[Completion]] = concurrent.futures.Future()
+        self._submit(_GenerateJob(request, future))
+        return await asyncio.wrap_future(future)
+
+    # ---- sleep -----------------------------------------------------------------------------------
+    async def _sleep(self, level: int, tags: Sequence[str]) -> None:
+        await self._call(lambda: self._sleep_sync(level, tags))
+
+    def _sleep_sync(self, level: int, tags: Sequence[str]) -> None:
+        if "weights" in tags and self._weights_state == "live":
+            with torch.no_grad():
+                for name, param in self._params.items():
+                    if level == 1:
+                        # On the CPU there is nowhere cheaper to put them: keep the storage aside.
+                        keep = param.data if self.device.type == "cpu" else param.data.to("cpu")
+                        self._offloaded[name] = keep
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            self._weights_state = "offloaded" if level == 1 else "discarded"
+            if level >= 2:
+                self._invalid_reason = "weights were discarded by sleep(level=2) and not pushed again since"
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    async def _wake_up(self, tags: Sequence[str]) -> None:
+        await self._call(lambda: self._wake_sync(tags))
+
+    def _wake_sync(self, tags: Sequence[str]) -> None:
+        if "weights" not in tags or self._weights_state == "live":
+            return
+        with torch.no_grad():
+            for name, param in self._params.items():
+                if self._weights_state == "offloaded":
+                    param.data = self._offloaded.pop(name).to(self.device)
+                else:  # discarded: memory back, values come with the next push
+                    shape, dtype = self._shapes[name]
+                    param.data = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._offloaded.clear()
+        self._weights_state = "live"
+
+    # ---- weights ---------------------------------------------------------------------------------
+    async def _init_weight_transfer(self, spec: TransportSpec) -> None:
+        from ...plugins import get_registry
+
+        devices = get_registry().transport(spec.transport).devices
+        # CPU transports land on the host; the target then copies into GPU parameters.
+        device = self.device if self.device.type in devices else torch.device("cpu")
+        receiver = WeightReceiver(self._target, device=device, mode=self._apply_mode, label="transformers")
+        # Connecting may wait for the trainer's rendezvous; keep the model's worker free meanwhile.
+        await asyncio.to_thread(receiver.connect, spec)
+        old, self._receiver = self._receiver, receiver
+        if old is not None:
+            await asyncio.to_thread(old.close)
+
+    async def _receive_weights(self, manifest: WeightManifest) -> None:
+        receiver = self._receiver
+        if receiver is None:
+            raise WeightSyncError(
+                "engine 'transformers' has no weight transfer open; connect one with connect_weight_sync()"
+            )
+        try:
+            await self._call(lambda: self._receive_sync(receiver, manifest))
+        except WeightsInvalidated as exc:
+            self._weights_invalid = str(exc)
+            raise
+
+    def _receive_sync(self, receiver: WeightReceiver, manifest: WeightManifest) -> None:
+        if self._invalid_reason is not None:
+            # The current weights are not a valid model: only a complete update can fix that.
+            covered = {t.name for t in manifest.tensors}
+            missing = sorted(n for n in self._params if n not in covered and not self._tied_name_covered(n, covered))
+            if missing:
+                receiver.target = _RejectAllTarget()
+                try:
+                    receiver.receive(manifest)
+                except ManifestMismatch:
+                    pass
+                finally:
+                    receiver.target = self._target
+                raise ManifestMismatch(
+                    f"weight update v{manifest.version} rejected: the engine's weights are invalid "
+                    f"({self._invalid_reason}), so it needs a complete push; missing {len(missing)} "
+                    f"tensors, e.g. {missing[:3]}"
+                )
+        try:
+            self._model_version = receiver.receive(manifest)
+        except WeightsInvalidated as exc:
+            self._invalid_reason = str(exc)
+            raise
+        self._invalid_reason = None
+
+    def _tied_name_covered(self, name: str, covered: set[str]) -> bool:
+        """A tied parameter counts as pushed under any of its names."""
+        param = self._params[name]
+        return any(other in covered for other, t in self.hf_model.state_dict(keep_vars=True).items() if t is param)
+
+    async def _close_weight_transfer(self) -> None:
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            await asyncio.to_thread(receiver.close)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def _extra_info(self) -> dict[str, Any]:
+        return {
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "max_model_len": self.max_model_len,
+            "queued": len(self._jobs),
+            "weights": self._weights_state,
+        }
+
+    async def _close(self) -> None:
+        with self._cv:
+            pending = [j for j in self._jobs if j is not None]
+            self._jobs.clear()
+            self._jobs.append(None)
+            self._cv.notify()
+        for job in pending:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(EngineClosed("engine 'transformers' was closed before this request ran"))
+        await asyncio.to_thread(self._worker.join)
+        await self._close_weight_transfer()
+        self._offloaded.clear()
+        self._params.clear()
+        self.hf_model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,174 @@
+"""The decode loop of the embedded engine: one left-padded batch, a KV cache, our own sampler.
+
+A batch is a list of :class:`Row` (one per prompt and sample); rows of several requests may share
+a batch, each with its own sampling parameters. Each distinct prompt is prefilled once; its ``n``
+samples then share that prefill through the cache. Rows that finish are dropped from the cache,
+so the remaining rows do not pay for them.
+
+Stop semantics follow vLLM's defaults, so the backends agree token for token:
+
+- a stop token (EOS unless ``ignore_eos``, or one of ``stop_token_ids``) ends the row with
+  ``finish_reason="stop"``; the token is kept in ``token_ids`` and left out of ``text``;
+- a stop string ends the row as soon as it appears in the decoded text: ``token_ids`` run through
+  the token that completed it, ``text`` is cut just before it;
+- reaching ``max_tokens`` (or the end of the context window) gives ``finish_reason="length"``.
+
+``text`` is the decoded output with special tokens skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...types import Completion, FinishReason, SamplingParams
+from .sampling import RowParams, row_generator, sample
+
+
+@dataclass
+class Row:
+    """One sequence being generated (a prompt's ``sample_index``-th sample)."""
+
+    prompt_key: int  # rows with the same key share a prompt (and its prefill)
+    prompt_index: int
+    sample_index: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    max_tokens: int  # already capped by the context window
+    generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishReason | None = None
+    stopped_by_token: bool = False
+    cut: int | None = None  # where a stop string starts in the decoded text
+
+    def completion(self, tokenizer: Any, version: int) -> Completion:
+        kept = self.tokens[:-1] if self.stopped_by_token else self.tokens
+        text = tokenizer.decode(kept, skip_special_tokens=True)
+        if self.cut is not None:
+            text = text[: self.cut]
+        return Completion(
+            prompt_index=self.prompt_index,
+            sample_index=self.sample_index,
+            prompt_token_ids=list(self.prompt),
+            token_ids=list(self.tokens),
+            text=text,
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            finish_reason=self.finish or "length",
+            weight_version=version,
+        )
+
+
+def make_rows(
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    eos_ids: frozenset[int],
+    max_len: int,
+    device: torch.device,
+    first_key: int = 0,
+) -> list[Row]:
+    """Rows of one request, prompt-major (all samples of prompt 0 first)."""
+    stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        for j in range(params.n):
+            gen = row_generator(params.seed, j, device) if params.seed is not None else None
+            rows.append(
+                Row(
+                    prompt_key=first_key + i, prompt_index=i, sample_index=j, prompt=prompt, params=params,
+                    stop_ids=stop_ids, max_tokens=min(params.max_tokens, max_len - len(prompt)), generator=gen,
+                )
+            )
+    return rows
+
+
+def _row_params(rows: list[Row], vocab: int, device: torch.device) -> RowParams:
+    p = [r.params for r in rows]
+    return RowParams(
+        temperature=torch.tensor([s.temperature for s in p], dtype=torch.float32, device=device),
+        top_p=torch.tensor([s.top_p for s in p], dtype=torch.float32, device=device),
+        top_k=torch.tensor([s.top_k if s.top_k > 0 else vocab for s in p], dtype=torch.long, device=device),
+        min_p=torch.tensor([s.min_p for s in p], dtype=torch.float32, device=device),
+    )
+
+
+def _check_stop_strings(row: Row, tokenizer: Any) -> bool:
+    text = tokenizer.decode(row.tokens, skip_special_tokens=True)
+    hits = [i for i in (text.find(s) for s in row.params.stop) if i >= 0]
+    if hits:
+        row.cut = min(hits)
+        return True
+    return False
+
+
+@torch.inference_mode()
+def run_batch(
+    model: Any,
+    tokenizer: Any,
+    rows: list[Row],
+    *,
+    device: torch.device,
+    pad_id: int,
+    shared: torch.Generator,
+) -> None:
+    """Generate every row to completion, in place."""
+    from transformers import DynamicCache
+
+    # Prefill each distinct prompt once, left-padded.
+    keys = sorted({r.prompt_key for r in rows})
+    prompt_of = {r.prompt_key: r.prompt for r in rows}
+    width = max(len(prompt_of[k]) for k in keys)
+    ids = torch.full((len(keys), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(keys), width), dtype=torch.long)
+    for b, k in enumerate(keys):
+        p = prompt_of[k]
+        ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[b, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)
+    # Expand prompts to rows (n samples share one prefill).
+    slot = {k: b for b, k in enumerate(keys)}
+    expand = torch.tensor([slot[r.prompt_key] for r in rows], device=device)
+    cache.batch_select_indices(expand)
+    logits = out.logits[:, -1, :][expand]
+    mask, positions = mask[expand], positions[expand][:, -1:]
+
+    vocab = logits.shape[-1]
+    params = _row_params(rows, vocab, device)
+    active = list(range(len(rows)))
+    while True:
+        tokens, logprobs = sample(logits, params, [rows[i].generator for i in active], shared)
+        keep: list[int] = []
+        for pos, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+            row = rows[active[pos]]
+            row.tokens.append(token)
+            if row.params.logprobs is not None:
+                row.logprobs.append(logprob)
+            if token in row.stop_ids:
+                row.finish, row.stopped_by_token = "stop", True
+            elif row.params.stop and _check_stop_strings(row, tokenizer):
+                row.finish = "stop"
+            elif len(row.tokens) >= row.max_tokens:
+                row.finish = "length"
+            else:
+                keep.append(pos)
+        if not keep:
+            return
+        if len(keep) < len(active):
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            mask, positions, tokens = mask[index], positions[index], tokens[index]
+            params = params.select(index)
+            active = [active[p] for p in keep]
+        mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
+        positions = positions + 1
+        out = model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=positions,
+                    past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1, :]

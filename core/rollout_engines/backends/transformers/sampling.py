@@ -1,0 +1,107 @@
+"""One sampling step over a batch whose rows may each have their own sampling parameters.
+
+Semantics follow vLLM's sampler so that the backends agree:
+
+- logprobs are those of the *unmodified* distribution (log-softmax of the raw logits), whatever
+  temperature / top-k / top-p / min-p did to the sampling distribution;
+- temperature below ``GREEDY_EPS`` means greedy (argmax of the raw logits);
+- otherwise: divide by temperature, drop tokens below ``min_p * max_prob``, then top-k, then
+  top-p (always keeping the most likely token), and sample by the exponential-race trick
+  (``argmax(p / q)`` with ``q ~ Exp(1)``), which draws exactly ``vocab`` numbers per row and step
+  from that row's generator. A seeded row therefore consumes its own random stream only, and its
+  tokens do not depend on which other rows share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_EPS = 1e-5
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling parameters as tensors of shape ``[rows]`` on the logits' device."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor  # vocab size where disabled
+    min_p: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> RowParams:
+        return RowParams(self.temperature[index], self.top_p[index], self.top_k[index], self.min_p[index])
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k and top-p exclude; row-wise parameters."""
+    vocab = logits.shape[-1]
+    do_k = bool((top_k < vocab).any())
+    do_p = bool((top_p < 1.0).any())
+    if not (do_k or do_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if do_k:
+        # The k-th largest value is at position vocab - k of the ascending sort.
+        kth = sorted_logits.gather(-1, (vocab - top_k.clamp(1, vocab)).unsqueeze(-1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if do_p:
+        probs = sorted_logits.softmax(dim=-1)
+        cumulative = probs.cumsum(dim=-1)
+        drop = cumulative <= (1.0 - top_p).unsqueeze(-1)
+        drop[:, -1] = False  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: RowParams,
+    generators: list[torch.Generator | None],
+    shared: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row. Returns ``(tokens [rows], logprobs of those tokens [rows])``.
+
+    ``generators[i]`` is row ``i``'s own generator (seeded requests) or ``None`` (use ``shared``).
+    """
+    logits = logits.float()
+    raw_logprobs = logits.log_softmax(dim=-1)
+    greedy = params.temperature < GREEDY_EPS
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        scaled = logits / params.temperature.clamp(min=GREEDY_EPS).unsqueeze(-1)
+        if bool((params.min_p > 0).any()):
+            probs = scaled.softmax(dim=-1)
+            threshold = probs.max(dim=-1, keepdim=True).values * params.min_p.unsqueeze(-1)
+            scaled = scaled.masked_fill(probs < threshold, float("-inf"))
+        scaled = _apply_top_k_top_p(scaled, params.top_k, params.top_p)
+        probs = scaled.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            index = torch.tensor(unseeded, device=probs.device)
+            q[index] = torch.empty((len(unseeded), probs.shape[-1]), device=probs.device).exponential_(generator=shared)
+        for i, g in enumerate(generators):
+            if g is not None:
+                q[i].exponential_(generator=g)
+        sampled = (probs / q).argmax(dim=-1)
+        tokens = torch.where(greedy, tokens, sampled)
+    return tokens, raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def row_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
+    """The generator of sample ``sample_index`` of a request seeded with ``seed``.
+
+    Sample 0 uses the seed itself; later samples a splitmix64-derived seed, so ``n`` samples of one
+    seeded request differ from each other yet each is reproducible.
+    """
+    value = seed & 0xFFFFFFFFFFFFFFFF
+    if sample_index:
+        value = (value + 0x9E3779B97F4A7C15 * sample_index) & 0xFFFFFFFFFFFFFFFF
+        value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        value ^= value >> 31
+    gen = torch.Generator(device=device)
+    gen.manual_seed(value & 0x7FFFFFFFFFFFFFFF)
+    return gen
