@@ -167,7 +167,10 @@ class WeightSync:
                                 bucket=bucket.index,
                             ) from None
                         pending[name] = tensor.detach()
-                    if sender.reuses_buffers:
+                    own = sender.bucket_buffer(bucket.index, bucket.nbytes) if sender.reuses_buffers else None
+                    if own is not None:
+                        out = own  # the transport's own slot (shared memory, IPC-shared): no extra copy
+                    elif sender.reuses_buffers:
                         slot = bucket.index % 2
                         if len(slots) <= slot or slots[slot].numel() < bucket.nbytes:
                             size = max(bucket.nbytes, min(self.bucket_bytes, manifest.total_bytes))

@@ -48,6 +48,12 @@ class TransportSender(abc.ABC):
     def begin(self, manifest: WeightManifest) -> None:
         """Called once per update before the first bucket."""
 
+    def bucket_buffer(self, index: int, nbytes: int) -> torch.Tensor | None:
+        """Optional: a uint8 buffer of at least ``nbytes`` that the transport owns (a shared-memory
+        or IPC-shared slot) for bucket ``index``; the session packs into it and hands it back to
+        :meth:`send_bucket`, saving a copy. ``None``: the session allocates its own buffers."""
+        return None
+
     @abc.abstractmethod
     def send_bucket(self, header: BucketHeader, buf: torch.Tensor) -> None: ...
 
