@@ -1,0 +1,114 @@
+"""The ``remote`` backend: a server over HTTP that looks like a local engine.
+
+    engine = roe.create_engine("remote", model="http://127.0.0.1:8000", api_key="...")
+    engine = roe.create_engine("remote", model="http://host:8000", server="vllm")    # plain vLLM
+    engine = roe.create_engine("remote", model="http://host:30000", server="sglang") # plain SGLang
+
+Options: ``url`` (else ``EngineConfig.model`` is the URL), ``server`` (``rollout`` | ``vllm`` |
+``sglang``, default ``rollout``), ``api_key`` (else ``$ROLLOUT_ENGINES_API_KEY``), ``timeout_s``
+(per request, default 600), ``connect_timeout_s`` (10), ``retries`` (3, idempotent calls only),
+``backoff_s`` (0.2), ``max_connections`` (256).
+
+Capabilities are fetched from the server when the engine is created (a rollout-engines server
+declares its engine's; plain vLLM / SGLang servers get what their adapter can drive).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from rollout_engines.engine import Engine
+from rollout_engines.types import Completion, EngineConfig, EngineInfo, GenerateRequest
+from rollout_engines.weights.manifest import TransportSpec, WeightManifest
+
+from .adapters import make_adapter
+from .http import ApiClient
+from .protocol import API_KEY_ENV
+
+
+class RemoteEngine(Engine):
+    """An engine served over HTTP. Created by ``create_engine("remote", model=URL, ...)``."""
+
+    backend_name = "remote"
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        opts = config.options
+        url = str(opts.get("url") or config.model)
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"the remote backend needs a server URL (http://host:port) as model or options['url'], "
+                             f"got '{url}'")
+        self.url = url.rstrip("/")
+        self.server_kind = str(opts.get("server", "rollout"))
+        self.api = ApiClient(
+            self.url, api_key=opts.get("api_key") or os.environ.get(API_KEY_ENV),
+            timeout_s=float(opts.get("timeout_s", 600.0)), connect_timeout_s=float(opts.get("connect_timeout_s", 10.0)),
+            retries=int(opts.get("retries", 3)), backoff_s=float(opts.get("backoff_s", 0.2)),
+            max_connections=int(opts.get("max_connections", 256)),
+        )
+        self.adapter = make_adapter(self.server_kind, self.api, config)
+        self.adapter.connect()
+        self.capabilities = self.adapter.capabilities
+        self.weight_version = self.adapter.weight_version
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    async def _generate(self, request: GenerateRequest) -> list[Completion]:
+        return await self.adapter.generate(request, self.weight_version)
+
+    async def _sleep(self, level: int, tags: Sequence[str]) -> None:
+        await self.adapter.sleep(level, tags)
+
+    async def _wake_up(self, tags: Sequence[str]) -> None:
+        await self.adapter.wake_up(tags)
+
+    async def _reset_prefix_cache(self) -> None:
+        await self.adapter.reset_prefix_cache()
+
+    async def _pause(self) -> None:
+        await self.adapter.pause()
+
+    async def _resume(self) -> None:
+        await self.adapter.resume()
+
+    async def _init_weight_transfer(self, spec: TransportSpec) -> None:
+        await self.adapter.init_weight_transfer(spec)
+
+    async def _receive_weights(self, manifest: WeightManifest) -> None:
+        await self.adapter.receive_weights(manifest)
+
+    async def _close_weight_transfer(self) -> None:
+        await self.adapter.close_weight_transfer()
+
+    async def _close(self) -> None:
+        await self.api.aclose()
+
+    def weight_receivers(self) -> int:
+        return self.adapter.weight_receivers
+
+    # ---- status --------------------------------------------------------------------------------
+    async def info(self) -> EngineInfo:
+        """This engine's view, with the server's state (version, asleep, queue) where it reports it."""
+        local = await super().info()
+        if self.closed:
+            return local
+        served = await self.adapter.info()
+        if not served:
+            return local.model_copy(update={"extra": {"url": self.url, "server": self.server_kind}})
+        self.weight_version = int(served.get("weight_version", self.weight_version))
+        return local.model_copy(update={
+            "weight_version": self.weight_version,
+            "asleep": sorted(set(served.get("asleep", [])) | set(local.asleep)),
+            "paused": bool(served.get("paused", local.paused)),
+            "outstanding": int(served.get("outstanding", local.outstanding)),
+            "healthy": local.healthy and bool(served.get("healthy", True)),
+            "extra": {"url": self.url, "server": self.server_kind, "served_backend": served.get("backend"),
+                      "served": served.get("extra", {})},
+        })
+
+    async def health(self) -> bool:
+        return not self.closed and await self.adapter.health()
+
+    def _extra_info(self) -> dict[str, Any]:
+        return {"url": self.url, "server": self.server_kind}

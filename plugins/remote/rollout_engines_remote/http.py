@@ -1,0 +1,127 @@
+"""The HTTP client every adapter uses: pooled async connections, timeouts, retries with
+exponential backoff for idempotent calls only, and server errors turned into typed exceptions."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Any
+
+import httpx
+from rollout_engines.errors import EngineUnavailable
+
+from .protocol import error_from_payload
+
+logger = logging.getLogger("rollout_engines.remote.http")
+
+RETRY_STATUS = (502, 503, 504)
+
+
+class ApiClient:
+    """One server's base URL plus its credentials.
+
+    ``GET`` calls are retried (``retries`` times, backoff ``backoff_s * 2**attempt`` with jitter) on
+    connection errors and 502/503/504; nothing else is ever retried, because a generate or a weight
+    update that reached the server must not run twice.
+    """
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
+                 connect_timeout_s: float = 10.0, retries: int = 3, backoff_s: float = 0.2,
+                 max_connections: int = 256) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self.retries, self.backoff_s = retries, backoff_s
+        self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def client(self) -> httpx.AsyncClient:
+        # An AsyncClient belongs to the event loop it first ran on; a caller that moves the engine
+        # to another loop (a new asyncio.run, a BlockingEngine) gets a fresh pool there.
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._loop is not loop or self._loop.is_closed():
+            self._client = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout,
+                                             limits=self.limits)
+            self._loop = loop
+        return self._client
+
+    def _delay(self, attempt: int) -> float:
+        return self.backoff_s * (2**attempt) * (0.5 + random.random())
+
+    async def request(self, method: str, path: str, *, json: Any = None, content: Any = None,
+                      timeout: float | None = None, idempotent: bool | None = None, raw: bool = False) -> Any:
+        idempotent = method == "GET" if idempotent is None else idempotent
+        attempts = 1 + (self.retries if idempotent else 0)
+        where = f"{method} {self.base_url}{path}"
+        kwargs: dict[str, Any] = {}
+        if content is not None and json is None:
+            kwargs["headers"] = {"content-type": "application/json"}
+        if timeout is not None:
+            kwargs["timeout"] = httpx.Timeout(timeout, connect=self.timeout.connect)
+        for attempt in range(attempts):
+            try:
+                resp = await self.client().request(method, path, json=json, content=content, **kwargs)
+            except httpx.TimeoutException as exc:
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(self._delay(attempt))
+                    continue
+                raise EngineUnavailable(f"{where}: no answer in time ({type(exc).__name__}); the server is "
+                                        "overloaded or stuck, or the timeout option is too short") from exc
+            except httpx.TransportError as exc:
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(self._delay(attempt))
+                    continue
+                raise EngineUnavailable(f"{where}: cannot reach the server ({exc!r}); is it running?") from exc
+            if resp.status_code in RETRY_STATUS and attempt + 1 < attempts:
+                await asyncio.sleep(self._delay(attempt))
+                continue
+            return self._result(resp, where, raw)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _result(resp: httpx.Response, where: str, raw: bool) -> Any:
+        if resp.status_code >= 400:
+            try:
+                payload: Any = resp.json()
+            except ValueError:
+                payload = resp.text
+            raise error_from_payload(resp.status_code, payload, where)
+        if raw:
+            return resp
+        if not resp.content:
+            return None
+        try:
+            return resp.json()
+        except ValueError:
+            return resp.text
+
+    def get_sync(self, path: str, *, timeout: float | None = None) -> Any:
+        """A blocking, retried GET (used while an engine is constructed, outside any event loop)."""
+        where = f"GET {self.base_url}{path}"
+        t = httpx.Timeout(timeout or self.timeout.read or 30.0, connect=self.timeout.connect)
+        last: Exception | None = None
+        for attempt in range(1 + self.retries):
+            try:
+                with httpx.Client(base_url=self.base_url, headers=self.headers, timeout=t) as c:
+                    resp = c.get(path)
+            except httpx.TransportError as exc:
+                last = exc
+                time.sleep(self._delay(attempt))
+                continue
+            if resp.status_code in RETRY_STATUS and attempt < self.retries:
+                time.sleep(self._delay(attempt))
+                continue
+            return self._result(resp, where, False)
+        raise EngineUnavailable(f"{where}: cannot reach the server ({last!r}); is it running, and is the URL "
+                                "(EngineConfig.model or options['url']) right?")
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                await client.aclose()
+            except RuntimeError:  # its loop is gone; the sockets went with it
+                pass

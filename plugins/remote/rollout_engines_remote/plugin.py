@@ -1,0 +1,37 @@
+"""Entry point of ``rollout-engines-remote``: the ``remote`` backend and the ``http`` transport.
+
+Registration is metadata only: neither FastAPI nor httpx is imported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rollout_engines import BackendSpec, TransportEntry, hookimpl
+
+
+@hookimpl
+def register_backends(register: Callable[[BackendSpec], None]) -> None:
+    register(
+        BackendSpec(
+            name="remote",
+            target="rollout_engines_remote.client:RemoteEngine",
+            install_hint='pip install "rollout-engines[remote]"',
+            requires=("httpx",),
+            description="A rollout-engines server, a plain vLLM server or a plain SGLang server over HTTP.",
+            capabilities={"transports": ["http"], "multi_process": True},
+        )
+    )
+
+
+@hookimpl
+def register_transports(register: Callable[[TransportEntry], None]) -> None:
+    register(
+        TransportEntry(
+            name="http",
+            sender="rollout_engines_remote.transport:HttpSender",
+            receiver="rollout_engines_remote.transport:HttpReceiver",
+            devices=("cpu", "cuda"),
+            description="safetensors-framed buckets POSTed to rollout-engines servers",
+        )
+    )

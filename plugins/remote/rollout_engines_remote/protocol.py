@@ -1,0 +1,122 @@
+"""What crosses the wire between a rollout-engines server and its clients.
+
+Request and response bodies of the native API reuse the core's pydantic models (GenerateRequest,
+Completion, EngineInfo, TransportSpec, WeightManifest); the few bodies the core has no model for
+live here. Errors travel as ``{"error": {"type", "message", "param"}}`` (OpenAI's shape), and
+:func:`error_from_payload` turns them back into the core's typed exceptions on the client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from rollout_engines import errors as core_errors
+from rollout_engines.errors import RolloutEnginesError
+
+#: Environment variable holding the API key (server and client), instead of a command-line flag.
+API_KEY_ENV = "ROLLOUT_ENGINES_API_KEY"
+
+#: HTTP status of each typed core error. Everything a client can cause is a 4xx; 503 means
+#: "this server cannot serve now" (closed or unavailable engine).
+ERROR_STATUS: dict[str, int] = {
+    "InvalidRequest": 422,
+    "CapabilityError": 400,
+    "UnknownTransport": 400,
+    "ManifestMismatch": 422,
+    "EngineAsleep": 409,
+    "WeightsInvalidated": 409,
+    "WeightSyncError": 409,
+    "EngineClosed": 503,
+    "EngineUnavailable": 503,
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SleepBody(_Body):
+    level: int = Field(default=1, ge=0, le=16)
+    tags: list[str] | None = None
+
+
+class WakeUpBody(_Body):
+    tags: list[str] | None = None
+
+
+class AbortBody(_Body):
+    """The trainer gave up an ``http`` update; the server's receiver must stop waiting."""
+
+    session: str
+    update: str
+    reason: str = ""
+
+
+class OkBody(BaseModel):
+    ok: bool = True
+    weight_version: int | None = None
+
+
+class VersionBody(BaseModel):
+    weight_version: int
+
+
+class HealthBody(BaseModel):
+    status: str
+    weight_version: int | None = None
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+    param: str | None = Field(default=None, description="The offending field, dotted, when there is one.")
+    fields: list[dict[str, Any]] | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+# ---- client side: errors back into exceptions --------------------------------------------------
+class RemoteError(RolloutEnginesError):
+    """The server answered with an error that has no typed core counterpart."""
+
+    def __init__(self, message: str, *, status: int, type: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param = status, type, param
+
+
+class RemoteRequestInvalid(RemoteError, ValueError):
+    """The server rejected the request as invalid (400/404/413/422): fix the request."""
+
+
+class RemoteAuthError(RemoteError, PermissionError):
+    """Missing or wrong API key (401): pass options={'api_key': ...} matching the server's --api-key."""
+
+
+_TYPED = {
+    name: getattr(core_errors, name)
+    for name in ("InvalidRequest", "CapabilityError", "EngineAsleep", "EngineClosed", "EngineUnavailable", "WeightSyncError",
+                 "ManifestMismatch", "WeightsInvalidated")
+}
+
+
+def error_from_payload(status: int, payload: Any, where: str) -> Exception:
+    """The exception a client raises for an error response (typed when the server sent a core type)."""
+    detail = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(detail, dict):
+        text = str(payload)[:500]
+        detail = {"type": f"HTTP{status}", "message": text or f"HTTP {status}"}
+    kind, message = str(detail.get("type", "")), f"{where}: {detail.get('message', '')}"
+    param = detail.get("param")
+    cls = _TYPED.get(kind)
+    if cls is not None:
+        return cls(message)
+    if status == 401:
+        return RemoteAuthError(message, status=status, type=kind, param=param)
+    if status in (400, 404, 405, 413, 422):
+        return RemoteRequestInvalid(message, status=status, type=kind, param=param)
+    if status in (502, 503, 504):
+        return core_errors.EngineUnavailable(message)
+    return RemoteError(message, status=status, type=kind, param=param)
