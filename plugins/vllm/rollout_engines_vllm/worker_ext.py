@@ -1,0 +1,208 @@
+"""The worker extension: the core's weight receiver, hosted inside every vLLM worker.
+
+vLLM mixes this class into its worker class (``worker_extension_cls``) in whatever process the
+worker runs, and the driver calls its methods through ``collective_rpc``. Every name here starts
+with ``roe_`` because vLLM refuses an extension whose attributes clash with the worker's (the CPU
+worker already has ``update_weights``).
+
+Arguments and results cross process boundaries by pickle, so they are JSON strings and plain
+dicts, never tensors; errors come back as dicts too, and the driver raises the typed error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rollout_engines.errors import ManifestMismatch, WeightsInvalidated, WeightSyncError
+from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest
+from rollout_engines.weights.receiver import WeightReceiver
+
+from .checkpoint import checkpoint_specs, incomplete_groups, resolve_model_dir
+
+logger = logging.getLogger("rollout_engines.vllm.worker")
+
+#: Transports whose receiver reads into host memory; the loader copies to the device.
+HOST_TRANSPORTS = {"gloo", "shm", "disk", "inproc", "http"}
+
+
+def error_result(exc: BaseException) -> dict[str, Any]:
+    return {
+        "ok": False,
+        "error": type(exc).__name__,
+        "message": str(exc),
+        "peer": getattr(exc, "peer", None),
+        "bucket": getattr(exc, "bucket", None),
+    }
+
+
+class VllmWeightTarget:
+    """A :class:`~rollout_engines.weights.receiver.WeightTarget` over a running vLLM worker's model.
+
+    Expected tensors come from the checkpoint (HF names, the engine's dtype). Loading goes through
+    vLLM's own loader so fused and sharded parameters (tensor parallel) are filled as at start-up:
+    ``reload_weights`` in checkpoint format where the platform repacks weights after loading (CPU:
+    ``model.load_weights`` fails there after start-up), ``model.load_weights`` elsewhere.
+    """
+
+    def __init__(self, worker: Any, *, copy_plan: bool = True) -> None:
+        self.worker = worker
+        model_config = worker.model_config
+        dtype = str(model_config.dtype).removeprefix("torch.")
+        self._specs = checkpoint_specs(resolve_model_dir(model_config.model), runtime_dtype=dtype)
+        model = worker.model_runner.get_model()
+        self.packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        from vllm.platforms import current_platform
+
+        self.use_reload = current_platform.is_cpu() and hasattr(worker, "reload_weights")
+        self.use_copy_plan = copy_plan and not self.use_reload
+        self.plan: Any = None
+
+    def expected_specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    def group_problems(self, manifest: WeightManifest) -> list[str]:
+        if not self.use_reload:  # direct loading fills fused parameters slice by slice
+            return []
+        return incomplete_groups((t.name for t in manifest.tensors), self._specs, self.packed)
+
+    def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
+        if not owned:  # views of a transport slot that the sender overwrites next
+            named = [(n, t.clone()) for n, t in named]
+        if self.use_reload:
+            self.worker.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+            return
+        model = self.worker.model_runner.get_model()
+
+        def load(items: list[tuple[str, torch.Tensor]]) -> None:
+            model.load_weights(iter(items))
+
+        if not self.use_copy_plan:
+            load(list(named))
+            return
+        from .copy_plan import CopyPlan, record_copy_plan
+
+        plan = self.plan = self.plan or CopyPlan()
+        new = [(n, t) for n, t in named if n not in plan.shapes]
+        known = [(n, t) for n, t in named if n in plan.shapes]
+        if new:
+            # Learn where these names land by loading them once for real. The recorder tells
+            # tensors apart by storage and bucket views share one, so they are copied first.
+            learned = record_copy_plan([(n, t.clone()) for n, t in new], load)
+            plan.copies.update(learned.copies)
+            plan.fallback |= learned.fallback
+            plan.shapes.update(learned.shapes)
+        if known:
+            plan.apply(known, load)
+
+
+class _RejectAll:
+    """A target that accepts nothing: the receiver rejects the update and drains its buckets, so
+    the sender and the other workers stay in step (used for problems found beyond the manifest's
+    names, shapes and dtypes)."""
+
+    def expected_specs(self) -> Mapping[str, TensorSpec]:
+        return {}
+
+    def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
+        raise AssertionError("unreachable: every tensor is rejected before apply")
+
+
+class WorkerExtension:
+    """Methods vLLM adds to each of its workers (called via ``collective_rpc``)."""
+
+    def roe_worker_info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "rank": int(getattr(self, "rank", 0)), "device": str(getattr(self, "device", "cpu"))}
+
+    def _roe_state(self) -> dict[str, Any]:
+        state = self.__dict__.get("_roe")
+        if state is None:
+            state = self.__dict__["_roe"] = {"receiver": None, "target": None}
+        return state
+
+    def roe_init_weight_transfer(self, spec_json: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Open this worker's receiver of a weight-sync session (blocks until connected).
+
+        ``options``: ``mode`` ('staged' or 'inplace'), ``copy_plan`` (bool)."""
+        options = options or {}
+        mode = options.get("mode", "staged")
+        try:
+            spec = TransportSpec.model_validate_json(spec_json)
+            state = self._roe_state()
+            if state["target"] is None:
+                state["target"] = VllmWeightTarget(self, copy_plan=bool(options.get("copy_plan", True)))
+            if state["receiver"] is not None:
+                state["receiver"].close()
+            device = "cpu" if spec.transport in HOST_TRANSPORTS else getattr(self, "device", "cpu")
+            rank = int(getattr(self, "rank", 0))
+            receiver = WeightReceiver(state["target"], device=device, mode=mode, label=f"vllm worker {rank}")  # type: ignore[arg-type]
+            receiver.connect(spec, local_rank=rank)
+            state["receiver"] = receiver
+            return {"ok": True, "rank": spec.rank_offset + rank}
+        except BaseException as exc:
+            logger.warning("weight transfer init failed in worker: %s", exc)
+            return error_result(exc)
+
+    def roe_receive_weights(self, manifest_json: str) -> dict[str, Any]:
+        """Receive one update; returns ``{"ok": True, "version": v}`` or the error as a dict."""
+        state = self._roe_state()
+        receiver: WeightReceiver | None = state["receiver"]
+        if receiver is None:
+            return error_result(WeightSyncError("no weight transfer initialised in this worker; connect first"))
+        try:
+            manifest = WeightManifest.model_validate_json(manifest_json)
+            target: VllmWeightTarget = state["target"]
+            problems = target.group_problems(manifest)
+            if problems:
+                receiver.target = _RejectAll()
+                try:
+                    receiver.receive(manifest)
+                except ManifestMismatch:
+                    pass
+                finally:
+                    receiver.target = target
+                raise ManifestMismatch(
+                    f"weight update v{manifest.version} rejected before applying anything: "
+                    + "; ".join(problems[:5])
+                    + ". vLLM loads fused modules whole: send every tensor of a module, or none"
+                )
+            version = receiver.receive(manifest)
+            return {"ok": True, "version": version}
+        except BaseException as exc:
+            if not isinstance(exc, ManifestMismatch):
+                logger.warning("weight update failed in worker: %s", exc)
+            return error_result(exc)
+
+    def roe_close_weight_transfer(self) -> None:
+        state = self._roe_state()
+        if state["receiver"] is not None:
+            try:
+                state["receiver"].close()
+            finally:
+                state["receiver"] = None
+
+
+def raise_worker_error(results: list[dict[str, Any]], what: str) -> None:
+    """Raise the typed error for the first failed worker of a ``collective_rpc`` call."""
+    failed = [(rank, r) for rank, r in enumerate(results) if not r.get("ok")]
+    if not failed:
+        return
+    rank, first = failed[0]
+    kinds = {"ManifestMismatch": ManifestMismatch, "WeightsInvalidated": WeightsInvalidated}
+    cls = kinds.get(first["error"], WeightSyncError)
+    if cls is WeightSyncError and first["error"] != "WeightSyncError":
+        message = f"{what} failed in vLLM worker {rank}: {first['error']}: {first['message']}"
+    else:
+        message = first["message"]
+    applied = [r for r in results if r.get("ok")]
+    if applied and cls is not ManifestMismatch:
+        # Some workers took the update and others did not: the shards no longer match.
+        cls = WeightsInvalidated
+        message = f"{message} (workers {[i for i, r in enumerate(results) if r.get('ok')]} applied it)"
+    err = cls(message)  # the worker's message already names the peer and bucket
+    err.peer, err.bucket = first.get("peer"), first.get("bucket")
+    raise err
