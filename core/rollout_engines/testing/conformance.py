@@ -1,0 +1,606 @@
+"""The conformance suite: the executable definition of what "a backend" is.
+
+A backend's test file is one subclass that says how to build its engine::
+
+    import pytest
+    from rollout_engines import EngineConfig
+    from rollout_engines.testing.conformance import BackendConformance
+
+    @pytest.mark.mybackend
+    class TestMyBackend(BackendConformance):
+        @pytest.fixture(scope="class")
+        @classmethod
+        def engine_config(cls, tiny_model):
+            return EngineConfig(backend="mybackend", model=str(tiny_model))
+
+(or override ``make_engine`` with a class-scoped fixture returning a zero-argument callable that
+returns an :class:`Engine`). ``rollout-engines check --backend NAME`` runs the same suite through
+:func:`run_conformance`.
+
+Rules of the suite:
+
+- **Capability-gated, never name-gated**: a test skips only because the engine does not declare a
+  capability (``engine.capabilities``), and says which.
+- **One engine per class**: engines are expensive (vLLM starts in ~15 s), so one is created per
+  class and driven from synchronous tests through a private event-loop thread (no pytest-asyncio
+  loop-scope traps). A test that closes it gets a fresh one for the tests after it, so two engines
+  of the class never coexist (one sleep-mode engine per process, vllm#18975).
+- **No silent opt-outs**: a subclass that overrides a standard test must mark the override
+  ``@pytest.mark.xfail(reason=...)``; anything else is an error when the class is defined.
+- The model's original weights (to perturb and push back) are read from the safetensors files in
+  the engine's model directory, so the suite needs nothing from the backend beyond the protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+import textwrap
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import pytest
+
+from ..engine import Engine
+from ..errors import (
+    CapabilityError,
+    EngineAsleep,
+    EngineClosed,
+    ManifestMismatch,
+    WeightsInvalidated,
+    WeightSyncError,
+)
+from ..types import ChatMessage, Completion, EngineConfig, GenerateRequest, SamplingParams
+
+T = TypeVar("T")
+
+#: Transports the suite pushes through, most direct first; the first one the engine declares wins.
+PREFERRED_TRANSPORTS = ("inproc", "shm", "gloo", "disk", "http")
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time there was a"]
+CALL_TIMEOUT_S = float(os.environ.get("ROLLOUT_ENGINES_CONFORMANCE_TIMEOUT", "300"))
+
+
+class EngineSlot:
+    """Holds the class's engine and a private event loop that drives it from sync tests."""
+
+    def __init__(self, factory: Callable[[], Engine | Awaitable[Engine]]) -> None:
+        self._factory = factory
+        self._engine: Engine | None = None
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="roe-conformance", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T] | Awaitable[T], timeout: float = CALL_TIMEOUT_S) -> T:
+        async def wrap() -> T:
+            return await coro
+
+        return asyncio.run_coroutine_threadsafe(wrap(), self.loop).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Any:
+        """Start ``coro`` on the loop without waiting; returns a concurrent future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None or self._engine.closed:
+            async def create() -> Engine:
+                made = self._factory()
+                if asyncio.iscoroutine(made) or isinstance(made, asyncio.Future):
+                    made = await made
+                assert isinstance(made, Engine), f"make_engine returned {type(made).__name__}, not an Engine"
+                return made
+
+            self._engine = self.run(create())
+        return self._engine
+
+    def discard(self) -> None:
+        """Forget the engine (after a test closed it); the next use creates a fresh one."""
+        if self._engine is not None and not self._engine.closed:
+            self.run(self._engine.close())
+        self._engine = None
+
+    def close(self) -> None:
+        try:
+            self.discard()
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+            self.loop.close()
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def need(engine: Engine, flag: str, why: str = "") -> None:
+    """Skip unless the engine declares capability ``flag`` (truthy)."""
+    if not getattr(engine.capabilities, flag):
+        pytest.skip(f"backend '{engine.backend_name}' does not declare capability '{flag}'{why}")
+
+
+def pick_transport(engine: Engine) -> str:
+    for name in PREFERRED_TRANSPORTS:
+        if name in engine.capabilities.transports:
+            return name
+    if engine.capabilities.transports:
+        return engine.capabilities.transports[0]
+    pytest.skip(f"backend '{engine.backend_name}' declares no weight transport")
+    raise AssertionError  # unreachable
+
+
+def greedy(max_tokens: int = 8, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def _no_replacement(text: str) -> str:
+    # Incremental detokenizers may hold back or render an incomplete UTF-8 tail differently.
+    return text.replace("\ufffd", "")
+
+
+def tokens_of(outs: list[Completion]) -> list[list[int]]:
+    return [c.token_ids for c in outs]
+
+
+def _has_mismatch(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ManifestMismatch):
+            return True
+        stack += [e.__cause__, e.__context__]
+        stack += [f[1] for f in getattr(e, "failures", []) if isinstance(f, tuple) and len(f) == 2]
+    return False
+
+
+# ---- the base ---------------------------------------------------------------------------------
+class ConformanceBase:
+    """Fixtures and the override guard shared by every part of the suite."""
+
+    _standard_tests: ClassVar[set[str]] = set()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        standard = ConformanceBase._standard_tests
+        if cls.__module__ == __name__:
+            standard.update(n for n in cls.__dict__ if n.startswith("test_"))
+            return
+        for name, value in cls.__dict__.items():
+            if name in standard:
+                marks = getattr(value, "pytestmark", [])
+                if not any(m.name == "xfail" and m.kwargs.get("reason") for m in marks):
+                    raise TypeError(
+                        f"{cls.__qualname__}.{name} overrides a standard conformance test; mark the override "
+                        "@pytest.mark.xfail(reason='why this backend differs') so the gap stays visible"
+                    )
+
+    # Backends provide `engine_config` (class scope) or override `make_engine`.
+    @pytest.fixture(scope="class")
+    @classmethod
+    def make_engine(cls, request: pytest.FixtureRequest) -> Callable[[], Engine]:
+        try:
+            config: EngineConfig = request.getfixturevalue("engine_config")
+        except pytest.FixtureLookupError:
+            raise TypeError(
+                f"{cls.__name__} must provide a class-scoped "
+                "fixture 'engine_config' (an EngineConfig) or 'make_engine' (a callable returning an Engine)"
+            ) from None
+
+        def make() -> Engine:
+            from ..factory import create_engine
+
+            return create_engine(config)
+
+        return make
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def slot(cls, make_engine: Callable[[], Engine]) -> Any:
+        s = EngineSlot(make_engine)
+        yield s
+        s.close()
+
+    @pytest.fixture
+    def engine(self, slot: EngineSlot) -> Engine:
+        return slot.engine
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_path(cls, slot: EngineSlot) -> str:
+        """Local directory with the model's tokenizer and safetensors (the engine's ``config.model``)."""
+        path = slot.engine.config.model
+        if not Path(path).is_dir():
+            pytest.skip(f"the engine's model '{path}' is not a local directory; override the 'model_path' fixture")
+        return path
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tokenizer(cls, slot: EngineSlot, model_path: str) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(slot.engine.config.tokenizer or model_path)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def prompt_ids(cls, tokenizer: Any) -> list[list[int]]:
+        return [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def original_weights(cls, model_path: str) -> dict[str, Any]:
+        from ..weights.checkpoint import load_checkpoint
+
+        return load_checkpoint(model_path)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def reference(cls, slot: EngineSlot, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """Greedy tokens of the fresh engine (original weights), 8 per prompt."""
+        outs = slot.run(slot.engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(8))))
+        return tokens_of(outs)
+
+    # -- helpers for tests --
+    def greedy_tokens(self, slot: EngineSlot, prompt_ids: list[list[int]]) -> list[list[int]]:
+        return tokens_of(slot.run(slot.engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(8)))))
+
+    def push(self, slot: EngineSlot, tensors: dict[str, Any], version: int) -> int:
+        from ..weights.session import connect_weight_sync
+
+        engine = slot.engine
+
+        async def go() -> int:
+            sync = await connect_weight_sync([engine], pick_transport(engine), timeout_s=120)
+            try:
+                return await sync.push(tensors, version=version)
+            finally:
+                await sync.close()
+
+        return slot.run(go())
+
+
+# ---- generation semantics ---------------------------------------------------------------------
+class GenerationTests(ConformanceBase):
+    def test_token_ids_in_completions_out(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]]) -> None:
+        outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(5))))
+        assert [c.prompt_index for c in outs] == list(range(len(prompt_ids)))
+        assert all(c.sample_index == 0 for c in outs)
+        for c, p in zip(outs, prompt_ids):
+            assert c.prompt_token_ids in ([], p)
+            assert len(c.token_ids) == 5
+            assert c.finish_reason == "length"
+            assert c.logprobs is None
+            assert c.weight_version == engine.weight_version
+
+    def test_text_prompts_match_token_prompts(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]]) -> None:
+        by_text = slot.run(engine.generate(GenerateRequest(prompts=PROMPTS, sampling=greedy(6))))
+        by_ids = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(6))))
+        assert tokens_of(by_text) == tokens_of(by_ids)
+        assert all(isinstance(c.text, str) for c in by_text)
+
+    def test_text_decodes_token_ids(self, slot: EngineSlot, engine: Engine, tokenizer: Any, prompt_ids: list[list[int]]) -> None:
+        outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(12))))
+        for c in outs:
+            decoded = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            assert _no_replacement(c.text) == _no_replacement(decoded)
+
+    @pytest.mark.parametrize("max_tokens", [1, 7])
+    def test_max_tokens_respected(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], max_tokens: int) -> None:
+        fixed = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(max_tokens))))
+        assert [len(c.token_ids) for c in fixed] == [max_tokens] * len(prompt_ids)
+        free = slot.run(engine.generate(GenerateRequest(
+            prompt_token_ids=prompt_ids, sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=3))))
+        for c in free:
+            assert 1 <= len(c.token_ids) <= max_tokens
+            assert c.finish_reason in ("stop", "length")
+            if c.finish_reason == "length":
+                assert len(c.token_ids) == max_tokens
+
+    def test_batch_times_n_prompt_major(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]]) -> None:
+        need(engine, "n")
+        s = SamplingParams(temperature=1.0, max_tokens=6, n=3, ignore_eos=True)
+        outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:2], sampling=s)))
+        assert [(c.prompt_index, c.sample_index) for c in outs] == [(i, j) for i in range(2) for j in range(3)]
+        assert all(len(c.token_ids) == 6 for c in outs)
+        # Sampling at temperature 1 from a 4k-token vocabulary: three samples are not all equal.
+        for i in range(2):
+            assert len({tuple(c.token_ids) for c in outs if c.prompt_index == i}) > 1
+
+    def test_greedy_is_deterministic(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
+        again = self.greedy_tokens(slot, prompt_ids)
+        assert again == reference
+        alone = tokens_of(slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[1:2], sampling=greedy(8)))))
+        assert alone == reference[1:2], "a prompt's greedy tokens must not depend on its batch"
+
+    def test_seeded_sampling_is_reproducible(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]]) -> None:
+        need(engine, "seed")
+
+        def run(seed: int) -> list[list[int]]:
+            s = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=seed, ignore_eos=True)
+            return tokens_of(slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=s))))
+
+        first, second, other = run(1234), run(1234), run(4321)
+        assert first == second
+        assert first != other
+
+    def test_sampling_params_shape_the_distribution(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
+        # top_k=1 (or a tiny top_p, or min_p=1) leaves only the most likely token: greedy, whatever the temperature.
+        for extra in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+            s = SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True, seed=7, **extra)
+            outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=s)))
+            assert tokens_of(outs) == reference, f"{extra} should reduce sampling to greedy"
+
+    def test_stop_string(self, slot: EngineSlot, engine: Engine, tokenizer: Any, prompt_ids: list[list[int]]) -> None:
+        need(engine, "stop_strings")
+        ref = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(16))))[0]
+        text = ref.text
+        start = next((k for k in range(max(1, len(text) // 3), len(text) - 2)
+                      if text[k:k + 2].strip() and "\ufffd" not in text[k:k + 2]), None)
+        if start is None:
+            pytest.skip("the reference output has no usable stop string")
+        stop = text[start:start + 2]
+        cut = text.find(stop)
+        out = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(16, stop=[stop]))))[0]
+        assert out.finish_reason == "stop"
+        assert stop not in out.text
+        assert _no_replacement(out.text) == _no_replacement(text[:cut])
+        assert out.token_ids == ref.token_ids[: len(out.token_ids)]
+        assert len(out.token_ids) < len(ref.token_ids)
+
+    def test_stop_token_ids(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
+        stop_id = reference[0][3]
+        first = reference[0].index(stop_id)
+        out = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(8, stop_token_ids=[stop_id]))))[0]
+        assert out.finish_reason == "stop"
+        assert out.token_ids == reference[0][: first + 1]
+
+    def test_logprobs_of_sampled_tokens(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]]) -> None:
+        need(engine, "logprobs")
+        s = SamplingParams(temperature=1.0, max_tokens=6, logprobs=1, seed=11)
+        outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=s)))
+        for c in outs:
+            assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+            assert all(lp <= 1e-4 and lp > -1e4 for lp in c.logprobs)
+        g = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(4, logprobs=0))))
+        g2 = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(4, logprobs=0))))
+        for a, b in zip(g, g2):
+            assert a.logprobs is not None and b.logprobs is not None
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
+        plain = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(4))))
+        assert all(c.logprobs is None for c in plain)
+
+    def test_chat(self, slot: EngineSlot, engine: Engine, tokenizer: Any) -> None:
+        need(engine, "chat")
+        chats = [[ChatMessage(role="user", content="Say hello")],
+                 [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Count to three")]]
+        outs = slot.run(engine.chat(GenerateRequest(messages=chats, sampling=greedy(6))))
+        assert [c.prompt_index for c in outs] == [0, 1]
+        for c, chat in zip(outs, chats):
+            ids = tokenizer.apply_chat_template([m.model_dump() for m in chat], add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            assert c.prompt_token_ids in ([], ids)
+            assert len(c.token_ids) == 6
+        direct = slot.run(engine.generate(GenerateRequest(prompt_token_ids=[
+            list(tokenizer.apply_chat_template([m.model_dump() for m in chats[0]], add_generation_prompt=True, tokenize=True))
+        ], sampling=greedy(6))))
+        assert direct[0].token_ids == outs[0].token_ids
+
+    def test_bad_requests_raise_typed_errors(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
+        from pydantic import ValidationError
+
+        with pytest.raises(ValidationError, match="max_tokens"):
+            SamplingParams(max_tokens=0)
+        with pytest.raises(ValidationError, match="top_p"):
+            SamplingParams(top_p=0.0)
+        with pytest.raises(ValidationError, match="empty batch"):
+            GenerateRequest(prompt_token_ids=[])
+        with pytest.raises(ValidationError, match="exactly one"):
+            GenerateRequest(prompt_token_ids=[[1]], prompts=["x"])
+        with pytest.raises(ValueError):  # a token id outside the vocabulary
+            slot.run(engine.generate(GenerateRequest(prompt_token_ids=[[10**9]], sampling=greedy(2))))
+        with pytest.raises(ValueError):  # a prompt longer than any context window here
+            too_long = prompt_ids[0] * (100_000 // len(prompt_ids[0]) + 1)
+            slot.run(engine.generate(GenerateRequest(prompt_token_ids=[too_long], sampling=greedy(2))))
+        assert self.greedy_tokens(slot, prompt_ids) == reference, "a rejected request must not disturb the engine"
+
+    def test_info_and_health(self, slot: EngineSlot, engine: Engine) -> None:
+        info = slot.run(engine.info())
+        assert info.backend == engine.backend_name
+        assert info.model == engine.config.model
+        assert info.weight_version == engine.weight_version
+        assert info.asleep == [] and info.paused is False and info.healthy is True
+        assert info.capabilities == engine.capabilities.model_dump()
+        assert slot.run(engine.health()) is True
+
+
+# ---- sleep / wake -----------------------------------------------------------------------------
+class SleepTests(ConformanceBase):
+    def test_sleep_unsupported_is_a_capability_error(self, slot: EngineSlot, engine: Engine) -> None:
+        if engine.capabilities.supports_sleep():
+            pytest.skip("backend declares sleep support")
+        with pytest.raises(CapabilityError):
+            slot.run(engine.sleep())
+
+    def test_sleep_wake_keeps_outputs(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any]) -> None:
+        need(engine, "sleep_levels")
+        level = min(engine.capabilities.sleep_levels)
+        slot.run(engine.sleep(level=level))
+        assert slot.run(engine.info()).asleep
+        with pytest.raises(EngineAsleep):
+            slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(2))))
+        slot.run(engine.wake_up())
+        assert slot.run(engine.info()).asleep == []
+        if level >= 2 or not engine.capabilities.weights_kept_on_sleep:
+            with pytest.raises(WeightsInvalidated):
+                slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(2))))
+            self.push(slot, original_weights, engine.weight_version + 1)
+        assert self.greedy_tokens(slot, prompt_ids) == reference
+
+    def test_sleep_kv_cache_only(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
+        need(engine, "sleep_levels")
+        if "kv_cache" not in engine.capabilities.sleep_tags:
+            pytest.skip("backend does not declare the 'kv_cache' sleep tag")
+        slot.run(engine.sleep(level=min(engine.capabilities.sleep_levels), tags=["kv_cache"]))
+        with pytest.raises(EngineAsleep):
+            slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(2))))
+        slot.run(engine.wake_up(tags=["kv_cache"]))
+        assert self.greedy_tokens(slot, prompt_ids) == reference
+
+    def test_discarded_weights_need_a_push(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any]) -> None:
+        need(engine, "sleep_levels")
+        caps = engine.capabilities
+        level = 2 if 2 in caps.sleep_levels else (min(caps.sleep_levels) if not caps.weights_kept_on_sleep else None)
+        if level is None:
+            pytest.skip("backend keeps weights on sleep and has no level 2")
+        pick_transport(engine)
+        before = engine.weight_version
+        slot.run(engine.sleep(level=level))
+        slot.run(engine.wake_up())
+        with pytest.raises(WeightsInvalidated):
+            slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(2))))
+        assert slot.run(engine.info()).healthy is False
+        assert self.push(slot, original_weights, before + 1) == before + 1
+        outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(8))))
+        assert tokens_of(outs) == reference
+        assert all(c.weight_version == before + 1 for c in outs)
+
+
+# ---- weight updates ---------------------------------------------------------------------------
+class WeightUpdateTests(ConformanceBase):
+    def test_push_changes_outputs_and_bumps_version(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any]) -> None:
+        from ..weights.checkpoint import perturbed
+
+        pick_transport(engine)
+        v0 = engine.weight_version
+        assert self.push(slot, perturbed(original_weights), v0 + 1) == v0 + 1
+        assert engine.weight_version == v0 + 1
+        outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(8))))
+        assert tokens_of(outs) != reference, "perturbed weights must change greedy outputs"
+        assert all(c.weight_version == v0 + 1 for c in outs)
+        assert slot.run(engine.info()).weight_version == v0 + 1
+        self.push(slot, original_weights, v0 + 2)
+        outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(8))))
+        assert tokens_of(outs) == reference, "pushing the original weights back must restore the outputs"
+        assert all(c.weight_version == v0 + 2 for c in outs)
+
+    @pytest.mark.parametrize("fault", ["unknown_name", "wrong_shape", "wrong_dtype"])
+    def test_rejected_update_changes_nothing(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any], fault: str) -> None:
+        import torch
+
+        from ..weights.checkpoint import perturbed
+
+        pick_transport(engine)
+        bad = perturbed(original_weights)  # if anything of it landed, outputs would change
+        name = sorted(n for n, t in bad.items() if t.is_floating_point() and t.dim() == 2)[0]
+        if fault == "unknown_name":
+            bad["model.not_a_layer.weight"] = torch.zeros(4, 4, dtype=bad[name].dtype)
+        elif fault == "wrong_shape":
+            bad[name] = torch.zeros(bad[name].shape[0] + 1, bad[name].shape[1], dtype=bad[name].dtype)
+        else:
+            other = torch.float16 if bad[name].dtype != torch.float16 else torch.float32
+            bad[name] = bad[name].to(other)
+        v0 = engine.weight_version
+        with pytest.raises(WeightSyncError) as info:
+            self.push(slot, bad, v0 + 1)
+        assert _has_mismatch(info.value), f"expected a ManifestMismatch, got {info.value!r}"
+        assert engine.weight_version == v0
+        outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(8))))
+        assert tokens_of(outs) == reference
+        assert all(c.weight_version == v0 for c in outs)
+        # The next, valid push works.
+        assert self.push(slot, original_weights, v0 + 1) == v0 + 1
+        assert self.greedy_tokens(slot, prompt_ids) == reference
+
+    def test_pause_holds_generation_until_resume(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
+        need(engine, "pause")
+        slot.run(engine.pause())
+        assert slot.run(engine.info()).paused is True
+        pending = slot.submit(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(8))))
+        try:
+            with pytest.raises(TimeoutError):
+                pending.result(timeout=0.5)
+        finally:
+            slot.run(engine.resume())
+        assert tokens_of(pending.result(timeout=CALL_TIMEOUT_S)) == reference
+        assert slot.run(engine.info()).paused is False
+
+
+# ---- lifecycle --------------------------------------------------------------------------------
+class LifecycleTests(ConformanceBase):
+    def test_close_is_idempotent_and_final(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]]) -> None:
+        try:
+            slot.run(engine.close())
+            slot.run(engine.close())
+            assert engine.closed
+            with pytest.raises(EngineClosed):
+                slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(2))))
+            assert slot.run(engine.health()) is False
+            if engine.capabilities.supports_sleep():
+                with pytest.raises(EngineClosed):
+                    slot.run(engine.sleep())
+        finally:
+            slot.discard()
+
+
+class BackendConformance(GenerationTests, SleepTests, WeightUpdateTests, LifecycleTests):
+    """Every standard test. Subclass it once per backend and provide ``engine_config``."""
+
+
+# ---- `rollout-engines check` ------------------------------------------------------------------
+_MODULE = '''\
+import pytest
+
+from rollout_engines.testing.conformance import BackendConformance
+from rollout_engines.types import EngineConfig
+
+
+class TestConformance(BackendConformance):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine_config(cls):
+        return EngineConfig.model_validate_json({config_json!r})
+'''
+
+
+def run_conformance(
+    backend: str,
+    model: str | None = None,
+    extra_pytest_args: list[str] | None = None,
+    *,
+    options: dict[str, Any] | None = None,
+) -> int:
+    """Run the conformance suite against ``backend`` (on ``model``, default the tiny model).
+
+    Returns pytest's exit code (0: every test passed or was skipped for a missing capability).
+    """
+    from ..plugins import get_registry
+
+    registry = get_registry()
+    registry.load_backend(backend)  # unknown / not installed: a clear error now, not one per test
+    if model is None:
+        from .tiny_model import tiny_model_path
+
+        model = str(tiny_model_path())
+    config = EngineConfig(backend=backend, model=model, options=options or {})
+    with tempfile.TemporaryDirectory(prefix="roe-conformance-") as tmp:
+        root = Path(tmp)
+        (root / "pytest.ini").write_text("[pytest]\naddopts = -ra\n")
+        test_file = root / f"test_conformance_{backend.replace('-', '_')}.py"
+        test_file.write_text(textwrap.dedent(_MODULE.format(config_json=config.model_dump_json())))
+        args = [str(test_file), "-c", str(root / "pytest.ini"), "--rootdir", tmp, "-p", "no:cacheprovider",
+                *(extra_pytest_args or [])]
+        # The generated module lives outside any package: let pytest import it by path.
+        sys.path.insert(0, tmp)
+        try:
+            return int(pytest.main(args))
+        finally:
+            sys.path.remove(tmp)
+
+
+__all__ = [
+    "BackendConformance", "ConformanceBase", "EngineSlot", "GenerationTests", "LifecycleTests", "SleepTests",
+    "WeightUpdateTests", "need", "pick_transport", "run_conformance",
+]
