@@ -94,6 +94,8 @@ class Endpoint:
 
 
 _endpoints: dict[str, list[Endpoint]] = {}
+#: Why an engine of a session cannot join (so the sender fails at once instead of timing out).
+_refusals: dict[str, str] = {}
 _endpoints_cv = threading.Condition()
 
 
@@ -137,6 +139,8 @@ class HttpSender(TransportSender):
         deadline = time.monotonic() + self.timeout_s
         with _endpoints_cv:
             while sum(e.ranks for e in _endpoints.get(self.session_id, [])) < self.world_size - 1:
+                if self.session_id in _refusals:
+                    raise CapabilityError(_refusals.pop(self.session_id))
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WeightSyncError(
@@ -222,6 +226,7 @@ class HttpSender(TransportSender):
             self._client = None
         with _endpoints_cv:
             _endpoints.pop(self.session_id, None)
+            _refusals.pop(self.session_id, None)
 
 
 #: Local session ids opened by a server's ingress; an ``http`` receiver outside them has no server.
@@ -236,10 +241,12 @@ class HttpReceiver(InprocReceiver):
 
     def connect(self) -> None:
         if self.spec.session_id not in _relay_sessions:
-            raise CapabilityError(
-                "the 'http' transport carries weights to engines behind a rollout-engines server "
-                "(backend 'remote'); for an engine in this process use 'inproc' (or 'shm' across processes)"
-            )
+            reason = ("the 'http' transport carries weights to engines behind a rollout-engines server "
+                      "(backend 'remote'); for an engine in this process use 'inproc' (or 'shm' across processes)")
+            with _endpoints_cv:  # the trainer's sender in this process stops waiting for us
+                _refusals[self.spec.session_id] = reason
+                _endpoints_cv.notify_all()
+            raise CapabilityError(reason)
         super().connect()
 
 

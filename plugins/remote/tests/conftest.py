@@ -1,0 +1,78 @@
+"""Real servers for the remote plugin's tests: uvicorn on 127.0.0.1 free ports, in a thread of the
+test process (fast, shares the engine object) or in a child process (``rollout-engines serve``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+API_KEY = "test-key-5f1c"
+
+
+@dataclass
+class ThreadServer:
+    url: str
+    app: Any
+    engine: Any
+    api_key: str | None
+    server: Any
+    thread: threading.Thread
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+def start_thread_server(engine: Any, api_key: str | None = API_KEY, **app_kwargs: Any) -> ThreadServer:
+    import uvicorn
+    from rollout_engines_remote.launch import free_port
+    from rollout_engines_remote.server import create_app
+
+    port = free_port()
+    app = create_app(engine, api_key=api_key, **app_kwargs)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", backlog=2048))
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    return ThreadServer(f"http://127.0.0.1:{port}", app, engine, api_key, server, thread)
+
+
+@pytest.fixture(scope="module")
+def thread_server(tiny_model: Path) -> Iterator[ThreadServer]:
+    """A transformers engine served from a thread of this process, with an API key and a small
+    body limit (64 KiB) so that 413 is cheap to provoke."""
+    import rollout_engines as roe
+
+    engine = roe.create_engine("transformers", model=str(tiny_model))
+    ts = start_thread_server(engine, max_body_bytes=64 * 1024)
+    yield ts
+    ts.stop()
+
+
+@pytest.fixture(scope="session")
+def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """``rollout-engines serve --backend transformers`` on the tiny model, in a child process."""
+    from rollout_engines_remote.launch import ServerProcess
+
+    log = tmp_path_factory.mktemp("served") / "server.log"
+    with ServerProcess("transformers", str(tiny_model), api_key=API_KEY, log=log) as server:
+        yield server
+
+
+@pytest.fixture
+def remote_options() -> dict[str, Any]:
+    return {"api_key": API_KEY}
