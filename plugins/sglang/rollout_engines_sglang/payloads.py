@@ -1,0 +1,141 @@
+"""Core weight buckets as the payloads SGLang's weight-update calls take (pure functions).
+
+Two layouts meet here:
+
+* the core's bucket (:mod:`rollout_engines.weights.buckets`): one uint8 buffer per bucket, every
+  tensor at an offset aligned to 256 bytes (padding between tensors);
+* SGLang's ``FlattenedTensorBucket``: one uint8 tensor plus, per tensor, ``start_idx`` /
+  ``end_idx`` byte offsets. SGLang rebuilds each tensor as
+  ``flat[start_idx:end_idx].view(dtype).reshape(shape)``.
+
+``cuda_ipc`` (``update_weights_from_tensor(load_format="flattened_bucket")``): SGLang takes the
+metadata as given, so the core's aligned buffer is handed over as it is, without a copy:
+``start_idx`` is the tensor's offset in the core bucket. Each TP rank gets its own serialized
+payload (a CUDA IPC handle of the same buffer): SGLang's producer-side IPC reference counts drop
+cleanly only when every rank unpickles its own copy.
+
+``sglang_nccl`` (``update_weights_from_distributed(load_format="flattened_bucket")``): here SGLang
+allocates the receive buffer itself, tensors back to back with no padding, and receives it with
+one broadcast. The trainer therefore broadcasts the bucket *compacted* to that layout
+(:func:`compact_bucket`, a device-to-device copy), in manifest order.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rollout_engines.weights.buckets import torch_dtype
+from rollout_engines.weights.manifest import TensorPlacement
+
+Serializer = Callable[[Any], bytes]
+
+
+def tensor_bucket_classes() -> tuple[type, type]:
+    """``(FlattenedTensorMetadata, FlattenedTensorBucket)``: SGLang's when importable, else the
+    vendored copy (same fields and layout)."""
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+    except ImportError:
+        from ._tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+    return FlattenedTensorMetadata, FlattenedTensorBucket
+
+
+def forking_serialize(obj: Any) -> bytes:
+    """What SGLang's ``MultiprocessingSerializer.serialize`` does: pickle with torch's reductions
+    (tensors travel as shared-memory / CUDA IPC handles, not as data)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return buf.getvalue()
+
+
+def bucket_metadata(placements: Sequence[TensorPlacement], *, base: int = 0) -> list[Any]:
+    """SGLang metadata for tensors laid out as in the core bucket (``base``: offset of the bucket
+    in the buffer handed over)."""
+    meta_cls, _ = tensor_bucket_classes()
+    out = []
+    for p in placements:
+        start = base + p.offset
+        out.append(
+            meta_cls(
+                name=p.name,
+                shape=torch.Size(p.shape),
+                dtype=torch_dtype(p.dtype),
+                start_idx=start,
+                end_idx=start + p.nbytes,
+                numel=p.nbytes,
+            )
+        )
+    return out
+
+
+def flattened_bucket_payloads(
+    buf: torch.Tensor,
+    placements: Sequence[TensorPlacement],
+    tp_size: int,
+    serialize: Serializer | None = None,
+) -> list[bytes]:
+    """One serialized ``{"flattened_tensor", "metadata"}`` payload per TP rank for
+    ``update_weights_from_tensor(named_tensors=..., load_format="flattened_bucket")``.
+
+    ``buf`` is the core's bucket buffer (uint8, tensors at their manifest offsets); it must stay
+    alive until SGLang's call returns (the payloads reference it, they do not copy it).
+    """
+    if buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise ValueError(f"a bucket buffer is a 1-D uint8 tensor, got {buf.dtype} with shape {tuple(buf.shape)}")
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    end = max((p.offset + p.nbytes for p in placements), default=0)
+    if buf.numel() < end:
+        raise ValueError(f"bucket buffer holds {buf.numel()} bytes, the layout needs {end}")
+    serialize = serialize or forking_serialize
+    payload = {"flattened_tensor": buf[:end], "metadata": bucket_metadata(placements)}
+    # Serialized once per rank on purpose (see the module docstring): do not share one blob.
+    return [serialize(payload) for _ in range(tp_size)]
+
+
+def packed_nbytes(placements: Sequence[TensorPlacement]) -> int:
+    return sum(p.nbytes for p in placements)
+
+
+def distributed_args(placements: Sequence[TensorPlacement]) -> dict[str, list[Any]]:
+    """``names``, ``dtypes``, ``shapes`` of ``update_weights_from_distributed`` for one bucket, in
+    manifest order (the order SGLang lays the tensors out in its receive buffer)."""
+    return {
+        "names": [p.name for p in placements],
+        "dtypes": [p.dtype for p in placements],
+        "shapes": [list(p.shape) for p in placements],
+    }
+
+
+def compact_bucket(
+    buf: torch.Tensor, placements: Sequence[TensorPlacement], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The core bucket ``buf`` rewritten in SGLang's packed layout (tensors back to back, manifest
+    order): what SGLang's ``_update_bucketed_weights_from_distributed`` expects to receive."""
+    total = packed_nbytes(placements)
+    if out is None:
+        out = torch.empty(total, dtype=torch.uint8, device=buf.device)
+    elif out.numel() < total:
+        raise ValueError(f"output buffer holds {out.numel()} bytes, need {total}")
+    dst = 0
+    # Merge runs of tensors that are already contiguous in the source into one copy each.
+    run_src = run_dst = run_len = 0
+    for p in placements:
+        if run_len and run_src + run_len == p.offset:
+            run_len += p.nbytes
+        else:
+            if run_len:
+                out[run_dst : run_dst + run_len].copy_(buf[run_src : run_src + run_len], non_blocking=True)
+            run_src, run_dst, run_len = p.offset, dst, p.nbytes
+        dst += p.nbytes
+    if run_len:
+        out[run_dst : run_dst + run_len].copy_(buf[run_src : run_src + run_len], non_blocking=True)
+    return out[:total]
