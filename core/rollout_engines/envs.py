@@ -27,10 +27,11 @@ subprocess or a Ray ``runtime_env`` instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import MutableMapping, Sequence
-from typing import Literal
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -105,3 +106,74 @@ def setup_device_env(
                 env[key] = value
         logger.debug("device environment for %s: %s", backend, changes)
     return changes
+
+
+@contextlib.contextmanager
+def launch_env(changes: Mapping[str, str | None]) -> Iterator[None]:
+    """Apply ``changes`` (from ``setup_device_env(..., apply=False)``) only while an engine starts
+    its worker processes, then restore the caller's environment.
+
+    For engines started inside a process that already uses CUDA (a colocated trainer): the workers
+    inherit the new ``CUDA_VISIBLE_DEVICES`` at start, while the caller's own device numbering, fixed
+    when it initialised CUDA, must not change under it.
+    """
+    saved = {key: os.environ.get(key) for key in changes}
+    try:
+        for key, value in changes.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+_child_failure_callbacks: list[Callable[[], None]] = []
+
+
+def guard_child_failure_signal(callback: Callable[[], None]) -> Callable[[], None]:
+    """Route ``SIGQUIT`` (what SGLang's worker processes send their parent when they fail) to
+    ``callback`` instead of killing the process.
+
+    SGLang's own handler kills the parent's whole process tree, and without any handler the
+    signal's default action ends the process: either way a trainer hosting the engine dies with it.
+    Engines start SGLang off the main thread (so SGLang installs nothing) and register here; the
+    handler calls every registered callback and then any earlier Python handler. Returns a function
+    that unregisters ``callback``. Outside the main thread nothing can be installed: the callback is
+    registered, and a warning says the signal stays at its current handling.
+    """
+    import signal
+    import threading
+
+    _child_failure_callbacks.append(callback)
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGQUIT)
+        if getattr(previous, "__name__", "") != "_on_child_failure":
+
+            def _on_child_failure(signum: int, frame: Any) -> None:
+                logger.error("SIGQUIT: an engine worker process failed")
+                for cb in list(_child_failure_callbacks):
+                    try:
+                        cb()
+                    except Exception:  # one engine's callback must not stop the others'
+                        logger.exception("child-failure callback failed")
+                if callable(previous):
+                    previous(signum, frame)
+
+            signal.signal(signal.SIGQUIT, _on_child_failure)
+    else:
+        logger.warning(
+            "not on the main thread: cannot install the SIGQUIT guard; a failing engine worker may end "
+            "this process. Create the first engine on the main thread to install it"
+        )
+
+    def unregister() -> None:
+        if callback in _child_failure_callbacks:
+            _child_failure_callbacks.remove(callback)
+
+    return unregister

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from rollout_engines.weights.buckets import torch_dtype
-from rollout_engines.weights.manifest import TensorPlacement
+from rollout_engines.weights.manifest import ALIGN, TensorPlacement
 
 Serializer = Callable[[Any], bytes]
 
@@ -76,29 +76,69 @@ def bucket_metadata(placements: Sequence[TensorPlacement], *, base: int = 0) -> 
     return out
 
 
+def serialize_per_rank(
+    flat: torch.Tensor, metadata: Sequence[Any], tp_size: int, serialize: Serializer | None = None
+) -> list[bytes]:
+    """One serialized ``{"flattened_tensor", "metadata"}`` payload per TP rank, the form
+    ``update_weights_from_tensor(named_tensors=..., load_format="flattened_bucket")`` takes.
+
+    Serialized once per rank on purpose (see the module docstring): do not share one blob. The
+    payloads reference ``flat`` (CUDA IPC handles), so it must stay alive until SGLang's call
+    returns.
+    """
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    serialize = serialize or forking_serialize
+    payload = {"flattened_tensor": flat, "metadata": list(metadata)}
+    return [serialize(payload) for _ in range(tp_size)]
+
+
 def flattened_bucket_payloads(
     buf: torch.Tensor,
     placements: Sequence[TensorPlacement],
     tp_size: int,
     serialize: Serializer | None = None,
 ) -> list[bytes]:
-    """One serialized ``{"flattened_tensor", "metadata"}`` payload per TP rank for
-    ``update_weights_from_tensor(named_tensors=..., load_format="flattened_bucket")``.
-
-    ``buf`` is the core's bucket buffer (uint8, tensors at their manifest offsets); it must stay
-    alive until SGLang's call returns (the payloads reference it, they do not copy it).
-    """
+    """Per-rank payloads of a core bucket buffer (uint8, tensors at their manifest offsets), handed
+    over without a copy."""
     if buf.dtype != torch.uint8 or buf.dim() != 1:
         raise ValueError(f"a bucket buffer is a 1-D uint8 tensor, got {buf.dtype} with shape {tuple(buf.shape)}")
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     end = max((p.offset + p.nbytes for p in placements), default=0)
     if buf.numel() < end:
         raise ValueError(f"bucket buffer holds {buf.numel()} bytes, the layout needs {end}")
-    serialize = serialize or forking_serialize
-    payload = {"flattened_tensor": buf[:end], "metadata": bucket_metadata(placements)}
-    # Serialized once per rank on purpose (see the module docstring): do not share one blob.
-    return [serialize(payload) for _ in range(tp_size)]
+    return serialize_per_rank(buf[:end], bucket_metadata(placements), tp_size, serialize)
+
+
+def stage_views(
+    named: Sequence[tuple[str, torch.Tensor]], staging: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """Copy ``named`` tensors into one uint8 buffer on ``device`` at aligned offsets.
+
+    Used where the bucket cannot be handed over as it is (it lives on the CPU, or it is itself a
+    CUDA IPC import, which torch refuses to share again). Returns ``(staging, flat, metadata)``:
+    ``staging`` is the (possibly grown) buffer to reuse for the next bucket, ``flat`` the part
+    used.
+    """
+    meta_cls, _ = tensor_bucket_classes()
+    offsets, end = [], 0
+    for _, t in named:
+        offsets.append(end)
+        end = _align(end + t.numel() * t.element_size())
+    if staging is None or staging.numel() < end or staging.device != device:
+        staging = torch.empty(max(end, 1), dtype=torch.uint8, device=device)
+    metadata = []
+    for (name, t), off in zip(named, offsets):
+        nbytes = t.numel() * t.element_size()
+        dst = staging[off : off + nbytes].view(t.dtype).view(t.shape)
+        dst.copy_(t, non_blocking=True)
+        metadata.append(meta_cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=off, end_idx=off + nbytes, numel=nbytes))
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return staging, staging[:end], metadata
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def packed_nbytes(placements: Sequence[TensorPlacement]) -> int:
