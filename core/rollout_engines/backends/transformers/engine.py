@@ -18,7 +18,8 @@ It runs on the CPU or one GPU, in the caller's process:
   device can take (on a GPU, CPU transports land on the host and are copied up).
 
 Options (``EngineConfig.options``): ``attn_implementation`` (default ``"sdpa"``),
-``max_batch_rows`` (default 256), ``weight_apply_mode`` (``"staged"``, the default: an interrupted
+``max_batch_rows`` (default 256), ``num_threads`` (CPU intra-op threads of the engine's worker;
+default 1 for models under 50M parameters, else torch's setting), ``weight_apply_mode`` (``"staged"``, the default: an interrupted
 update changes nothing; ``"inplace"``: no second copy of the weights, an interrupted update makes
 the engine refuse to generate until the next complete push).
 """
@@ -126,6 +127,7 @@ class TransformersEngine(Engine):
             raise ValueError(f"weight_apply_mode must be 'staged' or 'inplace', not {apply_mode!r}")
         self._apply_mode: Literal["staged", "inplace"] = apply_mode
         attn = options.pop("attn_implementation", "sdpa")
+        threads = options.pop("num_threads", None)
         if options:
             logger.warning("transformers engine: ignoring unknown options %s", sorted(options))
 
@@ -139,6 +141,10 @@ class TransformersEngine(Engine):
         self.max_model_len = int(config.max_model_len or getattr(self.hf_model.config, "max_position_embeddings", 2048))
         self.vocab_size = int(self.hf_model.get_input_embeddings().weight.shape[0])
         self.pad_id = self._pad_id()
+        n_params = sum(p.numel() for p in self.hf_model.parameters())
+        # Intra-op threads are set per OS thread, so this touches only the engine's worker. A tiny
+        # model's ops are too small to split: extra threads only spin (10x slower on a busy host).
+        self.num_threads = int(threads) if threads is not None else (1 if n_params < 50_000_000 else None)
         self.eos_ids = self._eos_ids()
 
         self.capabilities = self.capabilities.model_copy(update={"transports": _transports_for(self.device)})
@@ -193,6 +199,8 @@ class TransformersEngine(Engine):
         return await asyncio.wrap_future(future)
 
     def _work(self) -> None:
+        if self.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(self.num_threads)
         while True:
             with self._cv:
                 while not self._jobs:

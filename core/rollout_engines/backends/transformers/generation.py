@@ -130,9 +130,23 @@ def run_batch(
         mask[b, width - len(p):] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    # transformers builds masks with vmap on every forward, which costs more than the tiny model's
+    # whole step; a ready 4D mask is used as given (sdpa and eager attention).
+    own_mask = getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager")
+    min_value = torch.finfo(model.dtype).min
+
+    def attention(mask2d: torch.Tensor, queries: int) -> torch.Tensor:
+        if not own_mask:
+            return mask2d
+        allowed = mask2d.bool()[:, None, None, :]
+        if queries > 1:
+            allowed = allowed & torch.ones(queries, queries, dtype=torch.bool, device=device).tril()[None, None]
+        # A large negative number, not -inf: fully masked rows (left-padding queries) stay finite.
+        return torch.zeros(allowed.shape, dtype=model.dtype, device=device).masked_fill_(~allowed, min_value)
+
     cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
+    out = model(input_ids=ids, attention_mask=attention(mask, width), position_ids=positions,
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
     # Expand prompts to rows (n samples share one prefill).
     slot = {k: b for b, k in enumerate(keys)}
     expand = torch.tensor([slot[r.prompt_key] for r in rows], device=device)
@@ -169,6 +183,6 @@ def run_batch(
             active = [active[p] for p in keep]
         mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
         positions = positions + 1
-        out = model(input_ids=tokens.unsqueeze(-1), attention_mask=mask, position_ids=positions,
+        out = model(input_ids=tokens.unsqueeze(-1), attention_mask=attention(mask, 1), position_ids=positions,
                     past_key_values=cache, use_cache=True)
         logits = out.logits[:, -1, :]
