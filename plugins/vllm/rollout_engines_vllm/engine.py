@@ -39,6 +39,7 @@ from rollout_engines.errors import (
     CapabilityError,
     EngineClosed,
     EngineUnavailable,
+    InvalidRequest,
     WeightsInvalidated,
 )
 from rollout_engines.types import Completion, EngineConfig, GenerateRequest, SamplingParams
@@ -115,6 +116,18 @@ def _filter_kwargs(fn: Callable[..., Any], **kwargs: Any) -> dict[str, Any]:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return kwargs
     return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    """Exception types vLLM raises for a request that does not fit the model (bad input)."""
+    kinds: list[type[BaseException]] = [ValueError]
+    try:
+        from vllm.exceptions import VLLMClientError
+
+        kinds.append(VLLMClientError)
+    except ImportError:  # older vLLM raises ValueError
+        pass
+    return tuple(kinds)
 
 
 class VllmEngine(Engine):
@@ -341,9 +354,19 @@ class VllmEngine(Engine):
             return final
 
         async def run() -> list[Any]:
-            return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+            try:
+                return await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:  # cancelling a vLLM generate() aborts its request
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
 
-        outputs = await self._on_loop(run)
+        try:
+            outputs = await self._on_loop(run)
+        except _client_errors() as exc:
+            raise InvalidRequest(f"vLLM rejected the request: {exc}") from exc
         version = self.weight_version
         return [c for i, out in enumerate(outputs) for c in self._completions(i, out, s, version)]
 
