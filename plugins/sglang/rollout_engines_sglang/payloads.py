@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-
 from rollout_engines.weights.buckets import torch_dtype
 from rollout_engines.weights.manifest import ALIGN, TensorPlacement
 
@@ -127,7 +126,7 @@ def stage_views(
     if staging is None or staging.numel() < end or staging.device != device:
         staging = torch.empty(max(end, 1), dtype=torch.uint8, device=device)
     metadata = []
-    for (name, t), off in zip(named, offsets):
+    for (name, t), off in zip(named, offsets, strict=True):
         nbytes = t.numel() * t.element_size()
         dst = staging[off : off + nbytes].view(t.dtype).view(t.shape)
         dst.copy_(t, non_blocking=True)

@@ -40,7 +40,6 @@ import socket
 from typing import Any, ClassVar
 
 import torch
-
 from rollout_engines.errors import WeightSyncError
 from rollout_engines.weights.buckets import BucketHeader
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
@@ -118,7 +117,7 @@ class SglangNcclSender(TransportSender):
         offsets, world = layout(tp_sizes)
         for o, real in offsets.items():
             self._kv.set(f"layout/{o}", f"{real},{world}")
-        from sglang.srt.utils import init_custom_process_group
+        from sglang.srt.utils.common import init_custom_process_group
 
         torch.cuda.set_device(self._device)
         self._pg = init_custom_process_group(

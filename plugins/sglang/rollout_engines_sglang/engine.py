@@ -1,0 +1,431 @@
+"""``SglangEngine``: SGLang's in-process ``sglang.Engine`` behind the core's :class:`Engine`.
+
+Generation goes through ``async_generate`` with token ids (prompts and chats are tokenized here,
+so completions carry their prompt ids); see :mod:`.translate` for the sampling mapping.
+``reset_prefix_cache`` is ``flush_cache``, ``pause``/``resume`` are ``pause_generation(in_place)``
+/ ``continue_generation``, ``sleep``/``wake_up`` are ``release_memory_occupation`` /
+``resume_memory_occupation`` with the same tags.
+
+**Sleep releases weights.** SGLang frees the weights' memory on sleep and gives back
+uninitialised memory on wake (unless ``enable_weights_cpu_backup=True``), so the engine declares
+``weights_kept_on_sleep=False``: after sleeping with the ``weights`` tag the core refuses
+generation with :class:`~rollout_engines.errors.WeightsInvalidated` until a complete push.
+
+**Weights, per transport** (one :class:`~rollout_engines.weights.manifest.WeightManifest` per
+update; the whole manifest is validated against the checkpoint's names, shapes and the engine's
+dtype before anything is applied):
+
+* ``sglang_nccl``: SGLang's scheduler (every TP rank) joins the trainer's NCCL group
+  (``init_weights_update_group``) and receives one flattened broadcast per bucket
+  (``update_weights_from_distributed(load_format="flattened_bucket")``); see :mod:`.transport`.
+* ``disk``: the core's ``disk`` receiver waits for and checks every bucket file, then SGLang loads
+  the update directory (``update_weights_from_disk``).
+* ``cuda_ipc``, ``nccl``, ``gloo``, ``shm``, ``inproc``: the core's receiver for that transport runs
+  in this (host) process on ``relay_device``; each bucket is copied into a staging buffer there and
+  handed to every TP rank as a flattened bucket over CUDA IPC
+  (``update_weights_from_tensor(load_format="flattened_bucket")``, one payload per rank).
+
+SGLang applies updates in place. If an update fails after any bucket reached SGLang, the engine
+refuses to generate (``WeightsInvalidated``) until the next complete push.
+
+For :meth:`weight_receivers` an SGLang engine is one receiver whatever its TP size: the host
+process relays, and on ``sglang_nccl`` the TP ranks are laid out by the transport itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+from rollout_engines.engine import Capabilities, Engine
+from rollout_engines.errors import (
+    BackendNotInstalled,
+    CapabilityError,
+    EngineUnavailable,
+    ManifestMismatch,
+    WeightsInvalidated,
+    WeightSyncError,
+)
+from rollout_engines.types import Completion, EngineConfig, GenerateRequest
+from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, validate_manifest
+
+from . import translate
+from .plugin import DEFAULT_CAPABILITIES, INSTALL_HINT
+from .runtime import SglangRuntime
+
+logger = logging.getLogger("rollout_engines.sglang")
+
+#: Transports received by the host process and relayed to SGLang over CUDA IPC.
+RELAY_TRANSPORTS = ("cuda_ipc", "nccl", "gloo", "shm", "inproc")
+
+
+class SglangOptions(BaseModel):
+    """``EngineConfig.options`` of the ``sglang`` backend. Unknown keys go to SGLang's
+    ``ServerArgs`` unchanged (e.g. ``disable_cuda_graph=True``, ``attention_backend="fa3"``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    mem_fraction_static: float | None = Field(default=None, gt=0, le=1)
+    gpu_ids: list[int | str] | None = Field(
+        default=None, description="GPUs the engine's workers see (CUDA_VISIBLE_DEVICES while they start)."
+    )
+    ray_bundle: dict[str, Any] | None = Field(
+        default=None, description="rollout_engines.envs.RayBundle of the actor hosting the engine (executor 'mp')."
+    )
+    enable_weights_cpu_backup: bool = Field(
+        default=False, description="SGLang keeps a CPU copy of the weights over sleep (then they survive it)."
+    )
+    enable_deterministic_inference: bool = Field(
+        default=False, description="Batch-invariant kernels; also makes per-request seeds take effect."
+    )
+    relay_device: str | None = Field(
+        default=None, description="CUDA device of this process that relayed transports receive on."
+    )
+    log_level: str = "error"
+
+
+def server_kwargs(config: EngineConfig, opts: SglangOptions) -> dict[str, Any]:
+    """Keyword arguments of ``sglang.Engine`` for ``config`` (pure; SGLang validates them)."""
+    kw: dict[str, Any] = {
+        "model_path": config.model,
+        "tokenizer_path": config.tokenizer or config.model,
+        "dtype": config.dtype,
+        "random_seed": config.seed,
+        "tp_size": config.tensor_parallel_size,
+        # release/resume_memory_occupation (sleep/wake) need SGLang's memory saver.
+        "enable_memory_saver": True,
+        "log_level": opts.log_level,
+    }
+    if config.max_model_len is not None:
+        kw["context_length"] = config.max_model_len
+    if config.device is not None:
+        kind, _, index = config.device.partition(":")
+        if kind != "cuda":
+            raise ValueError(f"SGLang runs on CUDA devices, not '{config.device}'; use device='cuda' or 'cuda:N'")
+        if index:
+            kw["base_gpu_id"] = int(index)
+    if opts.mem_fraction_static is not None:
+        kw["mem_fraction_static"] = opts.mem_fraction_static
+    if opts.enable_weights_cpu_backup:
+        kw["enable_weights_cpu_backup"] = True
+    if opts.enable_deterministic_inference:
+        kw["enable_deterministic_inference"] = True
+    kw.update(opts.model_extra or {})
+    return kw
+
+
+def capabilities_for(opts: SglangOptions) -> Capabilities:
+    caps = dict(DEFAULT_CAPABILITIES)
+    caps["seed"] = opts.enable_deterministic_inference
+    caps["weights_kept_on_sleep"] = opts.enable_weights_cpu_backup
+    return Capabilities(**caps)
+
+
+def _sglang_missing() -> str | None:
+    try:
+        found = importlib.util.find_spec("sglang") is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else "no module named 'sglang'"
+
+
+class SglangEngine(Engine):
+    """An SGLang engine in this process (its TP workers in subprocesses SGLang starts)."""
+
+    backend_name: ClassVar[str] = "sglang"
+    capabilities = Capabilities(**DEFAULT_CAPABILITIES)
+
+    def __init__(self, config: EngineConfig, *, runtime: SglangRuntime | None = None) -> None:
+        """``runtime``: an already started SGLang runtime (tests pass a double); by default
+        SGLang's in-process engine is started here."""
+        super().__init__(config)
+        self.options = SglangOptions.model_validate(config.options)
+        self.capabilities = capabilities_for(self.options)
+        self._failed: str | None = None
+        self._unguard = None
+        self._expected: dict[str, TensorSpec] | None = None
+        self._transfer: _Transfer | None = None
+        self.runtime: SglangRuntime = runtime if runtime is not None else self._start_runtime()
+
+    # ---- start ---------------------------------------------------------------------------------
+    def _start_runtime(self) -> SglangRuntime:
+        missing = _sglang_missing()
+        if missing:
+            raise BackendNotInstalled("sglang", INSTALL_HINT, cause=missing)
+        from rollout_engines.envs import guard_child_failure_signal, launch_env, setup_device_env
+
+        from .runtime import InProcessRuntime
+
+        ray_bundle = self.options.ray_bundle
+        if ray_bundle is not None and ray_bundle.get("executor", "ray") == "ray":
+            raise ValueError(
+                "SGLang starts its own worker processes: pass ray_bundle with executor='mp' and "
+                "gpu_ids=ray.get_gpu_ids()"
+            )
+        changes = setup_device_env(
+            "sglang", gpu_ids=self.options.gpu_ids, ray_bundle=ray_bundle, apply=False
+        )
+        kwargs = server_kwargs(self.config, self.options)
+        self._unguard = guard_child_failure_signal(self._on_worker_failure)
+        try:
+            with launch_env(changes):
+                return InProcessRuntime(kwargs)
+        except BaseException:
+            self._unguard()
+            raise
+
+    def _on_worker_failure(self) -> None:
+        self._failed = "an SGLang worker process failed (see its log); create a new engine"
+
+    # ---- generation ----------------------------------------------------------------------------
+    def _check_request(self, request: GenerateRequest) -> None:
+        super()._check_request(request)
+        if request.sampling.seed is not None and not self.capabilities.seed:
+            raise CapabilityError(
+                "backend 'sglang' ignores per-request seeds unless the engine runs with "
+                "enable_deterministic_inference=True; create it so, or drop sampling.seed"
+            )
+
+    async def _generate(self, request: GenerateRequest) -> list[Completion]:
+        if self._failed:
+            raise EngineUnavailable(self._failed)
+        version = self.weight_version
+        prompts = translate.tokenize_request(request, self.runtime.tokenizer)
+        translate.check_prompts(
+            prompts,
+            vocab_size=self.runtime.vocab_size,
+            max_model_len=self.config.max_model_len or self.runtime.context_length,
+            max_tokens=request.sampling.max_tokens,
+        )
+        outputs = await self.runtime.generate(**translate.generate_kwargs(request, prompts))
+        return translate.to_completions(outputs, prompts, request.sampling, version)
+
+    # ---- memory and scheduling ------------------------------------------------------------------
+    async def _sleep(self, level: int, tags: Sequence[str]) -> None:
+        await self.runtime.release_memory(list(tags))
+
+    async def _wake_up(self, tags: Sequence[str]) -> None:
+        await self.runtime.resume_memory(list(tags))
+
+    async def _reset_prefix_cache(self) -> None:
+        # SGLang refuses to flush while requests run (e.g. paused in place): retry briefly, as a
+        # push or wake-up that just finished may race with requests still draining.
+        for attempt in range(20):
+            try:
+                await self.runtime.flush_cache()
+                return
+            except Exception as exc:
+                if attempt == 19:
+                    raise EngineUnavailable(f"SGLang did not flush its prefix cache: {exc}") from exc
+                await asyncio.sleep(0.25)
+
+    async def _pause(self) -> None:
+        await self.runtime.pause()
+
+    async def _resume(self) -> None:
+        await self.runtime.resume()
+
+    # ---- weights -------------------------------------------------------------------------------
+    def weight_receivers(self) -> int:
+        return 1
+
+    def expected_specs(self) -> Mapping[str, TensorSpec]:
+        """What an update may carry: the checkpoint's tensors, in the engine's dtype."""
+        if self._expected is None:
+            from .checkpoint import checkpoint_specs
+
+            dtype = None if self.config.dtype == "auto" else self.config.dtype
+            self._expected = checkpoint_specs(self.config.model, dtype)
+        return self._expected
+
+    def _invalidate(self, reason: str) -> None:
+        """Mark the weights unusable: generation raises WeightsInvalidated until a complete push."""
+        self._weights_invalid = reason
+
+    def _relay_device(self) -> str:
+        if self.options.relay_device:
+            return self.options.relay_device
+        if self.options.gpu_ids and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            return f"cuda:{self.options.gpu_ids[0]}"
+        return self.config.device if self.config.device and ":" in self.config.device else "cuda:0"
+
+    async def _init_weight_transfer(self, spec: TransportSpec) -> None:
+        await self._close_weight_transfer()
+        if spec.transport == "sglang_nccl":
+            from .transport import SglangNcclControl
+
+            control = await asyncio.to_thread(SglangNcclControl, spec)
+            real, world = await asyncio.to_thread(control.register, self.runtime.tp_size)
+            # Blocks until the trainer and every engine joined (the trainer joins concurrently).
+            await self.runtime.init_weights_group(control.host, control.group_port, real, world, control.group_name)
+            self._transfer = _Transfer(spec, control=control)
+            return
+        from rollout_engines.weights.receiver import WeightReceiver
+
+        if spec.transport == "disk":
+            receiver = WeightReceiver(_VerifyOnly(self.expected_specs()), device="cpu", mode="inplace", label="sglang")
+        else:
+            target = _RelayTarget(self, self._relay_device())
+            receiver = WeightReceiver(target, device=target.device, mode="inplace", label="sglang")
+        await asyncio.to_thread(receiver.connect, spec)
+        self._transfer = _Transfer(spec, receiver=receiver)
+
+    async def _receive_weights(self, manifest: WeightManifest) -> None:
+        t = self._transfer
+        if t is None:
+            raise WeightSyncError("sglang: no weight transfer initialised; connect_weight_sync() first")
+        if t.spec.transport == "sglang_nccl":
+            await self._receive_distributed(t, manifest)
+        elif t.spec.transport == "disk":
+            await self._receive_disk(t, manifest)
+        else:
+            await self._receive_relay(t, manifest)
+
+    async def _receive_distributed(self, t: _Transfer, manifest: WeightManifest) -> None:
+        from .payloads import distributed_args
+
+        control = t.control
+        assert control is not None
+        reason = None
+        try:
+            validate_manifest(manifest, self.expected_specs())
+        except ManifestMismatch as exc:
+            reason = str(exc)
+        await asyncio.to_thread(control.verdict, manifest, reason)
+        if reason is not None:
+            raise ManifestMismatch(reason)
+        applied = False
+        try:
+            for bucket in manifest.buckets:
+                await asyncio.to_thread(control.wait_go, manifest, bucket.index)
+                applied = True
+                await self.runtime.update_from_distributed(
+                    **distributed_args(manifest.bucket_tensors(bucket.index)), group_name=control.group_name
+                )
+        except BaseException as exc:
+            if applied:
+                self._invalidate(f"update v{manifest.version} failed after part of it was applied ({exc})")
+                raise WeightsInvalidated(
+                    f"sglang: update v{manifest.version} failed after part of it was applied: {exc}; "
+                    "generation is refused until a complete push"
+                ) from exc
+            raise
+
+    async def _receive_disk(self, t: _Transfer, manifest: WeightManifest) -> None:
+        from rollout_engines.weights.transports.disk import update_dir
+
+        assert t.receiver is not None
+        try:
+            # Validation, every bucket file and its checksum, before SGLang reads a byte.
+            await asyncio.to_thread(t.receiver.receive, manifest)
+        except WeightsInvalidated as exc:  # nothing reached SGLang yet: the weights are intact
+            raise WeightSyncError(str(exc).replace("after some weights were applied", "while checking the files")) from exc
+        path = update_dir(t.spec.options["path"], manifest)
+        try:
+            await self.runtime.update_from_disk(str(path))
+        except BaseException as exc:
+            # SGLang's own rollback re-reads the same directory, so the state is unknown.
+            self._invalidate(f"loading update v{manifest.version} from {path} failed ({exc})")
+            raise WeightsInvalidated(
+                f"sglang: loading update v{manifest.version} from disk failed: {exc}; "
+                "generation is refused until a complete push"
+            ) from exc
+
+    async def _receive_relay(self, t: _Transfer, manifest: WeightManifest) -> None:
+        assert t.receiver is not None
+        target = t.receiver.target
+        assert isinstance(target, _RelayTarget)
+        target.loop = asyncio.get_running_loop()
+        try:
+            await asyncio.to_thread(t.receiver.receive, manifest)
+        except WeightsInvalidated as exc:
+            self._invalidate(str(exc))
+            raise
+        finally:
+            target.release()
+
+    async def _close_weight_transfer(self) -> None:
+        t, self._transfer = self._transfer, None
+        if t is None:
+            return
+        if t.control is not None:
+            try:
+                await self.runtime.destroy_weights_group(t.control.group_name)
+            except Exception:  # the group may be gone with a failed trainer
+                logger.debug("destroy_weights_update_group failed", exc_info=True)
+        if t.receiver is not None:
+            await asyncio.to_thread(t.receiver.close)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def health(self) -> bool:
+        return not self._closed and self._failed is None
+
+    def _extra_info(self) -> dict[str, Any]:
+        return {
+            "tp_size": self.runtime.tp_size,
+            "failed": self._failed,
+            "transport": self._transfer.spec.transport if self._transfer else None,
+        }
+
+    async def _close(self) -> None:
+        try:
+            await self._close_weight_transfer()
+        finally:
+            try:
+                await asyncio.to_thread(self.runtime.shutdown)
+            finally:
+                if self._unguard is not None:
+                    self._unguard()
+
+
+class _Transfer:
+    def __init__(self, spec: TransportSpec, *, control: Any = None, receiver: Any = None) -> None:
+        self.spec, self.control, self.receiver = spec, control, receiver
+
+
+class _VerifyOnly:
+    """A WeightTarget that checks and drops: for ``disk``, where SGLang reads the files itself."""
+
+    def __init__(self, specs: Mapping[str, TensorSpec]) -> None:
+        self._specs = specs
+
+    def expected_specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    def apply(self, named: Sequence[tuple[str, Any]], *, owned: bool) -> None:
+        return None
+
+
+class _RelayTarget:
+    """A WeightTarget that hands every received bucket to SGLang as a flattened CUDA IPC bucket."""
+
+    def __init__(self, engine: SglangEngine, device: str) -> None:
+        import torch
+
+        self.engine = engine
+        self.device = torch.device(device)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._staging: Any = None
+
+    def expected_specs(self) -> Mapping[str, TensorSpec]:
+        return self.engine.expected_specs()
+
+    def apply(self, named: Sequence[tuple[str, Any]], *, owned: bool) -> None:
+        from .payloads import serialize_per_rank, stage_views
+
+        runtime = self.engine.runtime
+        # Always staged: a bucket may be on the CPU, or a CUDA IPC import that torch will not
+        # share again; the copy runs at device bandwidth.
+        self._staging, flat, metadata = stage_views(named, self._staging, self.device)
+        payloads = serialize_per_rank(flat, metadata, runtime.tp_size, runtime.serialize)
+        assert self.loop is not None
+        future = asyncio.run_coroutine_threadsafe(runtime.update_from_tensor(payloads), self.loop)
+        future.result()  # SGLang has loaded the bucket when this returns: the staging is free again
+
+    def release(self) -> None:
+        self._staging = None
