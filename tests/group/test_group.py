@@ -300,3 +300,38 @@ def test_bad_configuration_is_refused():
         EngineGroup([e, e])
     with pytest.raises(ValueError, match="unknown routing 'random'"):
         EngineGroup([e], routing="random")  # type: ignore[arg-type]
+
+
+def test_group_and_cli_listing_do_not_import_ray():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rollout_engines, rollout_engines.group, rollout_engines.demo_group\n"
+        "from rollout_engines.cli import main\n"
+        "main(['backends', '--json'])\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.transformers
+def test_demo_runs_on_a_local_group(tiny_model):
+    from rollout_engines.demo_group import run_group_demo
+
+    summary = run_group_demo("transformers", str(tiny_model), engines=2, use_ray=False, max_tokens=8)
+    assert summary["backend"] == "transformers" and summary["engines"] == 2 and not summary["ray"]
+    assert summary["outputs_changed"] and summary["restored_outputs_equal"] and summary["weight_version"] == 1
+    assert summary["tokens_per_s"] > 0
+    assert all(e["completed"] > 0 and e["weight_version"] == 2 for e in summary["per_engine"])
+
+
+def test_router_benchmark_reports_its_numbers():
+    from rollout_engines.bench import group as bench
+    from rollout_engines.cli import build_parser
+
+    args = build_parser("group").parse_args(["bench", "group", "--skip-scaling", "--requests", "2000", "--concurrency", "8"])
+    out = bench.run(args)
+    assert out["routed_per_s"] > 0 and out["routed_per_s_yielding"] > 0 and out["direct_per_s"] > 0
+    assert len(out["spread"]) == 4 and min(out["spread"]) > 0  # every engine got requests

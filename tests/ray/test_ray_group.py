@@ -17,7 +17,8 @@ ray = pytest.importorskip("ray")
 from rollout_engines import EngineGroup, GenerateRequest, SamplingParams, connect_weight_sync  # noqa: E402
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.transformers, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.ray, pytest.mark.transformers]
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
@@ -68,6 +69,7 @@ async def push(targets, weights, version: int) -> None:
         await sync.close()
 
 
+@in_module_loop
 async def test_gloo_push_reaches_engines_on_both_nodes(engines, tiny_model):
     assert len({e.node_id for e in engines}) == 2  # placed on both nodes
     group = make_group(engines, routing="round_robin")
@@ -87,6 +89,7 @@ async def test_gloo_push_reaches_engines_on_both_nodes(engines, tiny_model):
     assert [s["completed"] for s in group.member_stats()] == [2, 2]
 
 
+@in_module_loop
 async def test_killed_actor_loses_no_request_and_rejoins_with_the_latest_weights(engines, tiny_model):
     original = load_checkpoint(tiny_model)
     weights = {7: perturbed(original, seed=7), 8: perturbed(original, seed=8)}
@@ -140,6 +143,7 @@ async def test_killed_actor_loses_no_request_and_rejoins_with_the_latest_weights
     assert all(s["serving"] and s["weight_version"] == 8 for s in group.member_stats())
 
 
+@in_module_loop
 async def test_trainer_worker_and_engine_share_one_bundle(cluster, tiny_model):
     from rollout_engines.envs import RayBundle
     from rollout_engines.ray import acreate_ray_engines, colocated_options, engine_placement_group
@@ -170,3 +174,14 @@ async def test_trainer_worker_and_engine_share_one_bundle(cluster, tiny_model):
         await engine.close()
         ray.kill(trainer)
         ray.util.remove_placement_group(pg)
+
+
+def test_demo_runs_on_a_group_of_ray_engines(cluster, tiny_model):
+    from rollout_engines.demo_group import run_group_demo
+
+    summary = run_group_demo("transformers", str(tiny_model), engines=2, use_ray=True, max_tokens=8)
+    assert summary["engines"] == 2 and summary["ray"] and summary["transport"] == "gloo"
+    assert summary["outputs_changed"] and summary["same_after_wake"] and summary["restored_outputs_equal"]
+    assert summary["weight_version"] == 1 and summary["tokens_per_s"] > 0
+    assert all(e["completed"] > 0 and e["weight_version"] == 2 for e in summary["per_engine"])
+    assert ray.is_initialized()  # it used the running cluster and left it running
