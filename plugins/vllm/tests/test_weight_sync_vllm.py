@@ -1,0 +1,196 @@
+"""Weight pushes into real vLLM workers over every CPU transport, with the faults of a real run.
+
+The test process is the trainer; vLLM's worker (in vLLM's engine-core process) is the receiver,
+through the plugin's worker extension. One engine serves the whole module (vLLM starts in ~15 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+import torch
+
+from rollout_engines import GenerateRequest, SamplingParams, create_engine
+from rollout_engines.errors import ManifestMismatch, WeightSyncError
+from rollout_engines.weights.checkpoint import load_checkpoint
+from rollout_engines.weights.manifest import TransportSpec, plan_manifest, specs_of
+from rollout_engines.weights.session import connect_weight_sync
+
+from trainer_proc import SESSION, trainer_main, update
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+CPU_TRANSPORTS = ["gloo", "shm", "disk"]
+#: Small buckets, so an update of the tiny model (~3 MB) spans several.
+BUCKET = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    eng = create_engine("vllm", model=str(tiny_model), dtype="float32")
+    yield eng
+    asyncio.run(eng.close())
+
+
+@pytest.fixture(scope="module")
+def original(tiny_model):
+    return load_checkpoint(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def request_(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    texts = ["The quick brown fox", "def add(a, b):", "Once upon a time there was a"]
+    ids = [list(tok(t)["input_ids"]) for t in texts]
+    return GenerateRequest(prompt_token_ids=ids, sampling=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+
+
+async def tokens(engine, request):
+    return [c.token_ids for c in await engine.generate(request)]
+
+
+def caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
+    while exc is not None:
+        if isinstance(exc, kind):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+async def push(engine, tensors, version, transport="gloo", **kw):
+    sync = await connect_weight_sync([engine], transport, bucket_bytes=BUCKET, timeout_s=60, **kw)
+    try:
+        return await sync.push(tensors, version=version)
+    finally:
+        await sync.close()
+
+
+async def test_workers_are_separate_receivers(engine):
+    info = await engine.info()
+    workers = info.extra["workers"]
+    assert engine.weight_receivers() == len(workers) == engine.config.tensor_parallel_size
+    assert all(w["pid"] != os.getpid() for w in workers), "vLLM's worker must run outside the trainer"
+    assert set(engine.capabilities.transports) >= set(CPU_TRANSPORTS)
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+async def test_push_changes_outputs_and_restore_restores(engine, original, request_, tiny_model, transport):
+    before = await tokens(engine, request_)
+    v0 = engine.weight_version
+    sync = await connect_weight_sync([engine], transport, bucket_bytes=BUCKET, timeout_s=60)
+    try:
+        await sync.push(update(str(tiny_model)), version=v0 + 1)
+        outs = await engine.generate(request_)
+        assert [c.token_ids for c in outs] != before
+        assert all(c.weight_version == v0 + 1 for c in outs)
+        await sync.push(original, version=v0 + 2)  # same session, second update
+        assert await tokens(engine, request_) == before
+        assert (await engine.info()).weight_version == v0 + 2
+    finally:
+        await sync.close()
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+async def test_bad_manifest_rejected_whole_then_next_push_works(engine, original, request_, tiny_model, transport):
+    before = await tokens(engine, request_)
+    v0 = engine.weight_version
+    bad = update(str(tiny_model))  # if any of it landed, outputs would change
+    bad["model.norm.weight"] = torch.ones(7)
+    sync = await connect_weight_sync([engine], transport, bucket_bytes=BUCKET, timeout_s=60)
+    try:
+        with pytest.raises(WeightSyncError) as info:
+            await sync.push(bad, version=v0 + 1)
+        assert caused_by(info.value, ManifestMismatch)
+        assert "model.norm.weight" in str(info.value)
+        assert await tokens(engine, request_) == before
+        assert engine.weight_version == v0
+        # The same session takes the next, valid update.
+        await sync.push(update(str(tiny_model)), version=v0 + 1)
+        assert await tokens(engine, request_) != before
+        await sync.push(original, version=v0 + 2)
+        assert await tokens(engine, request_) == before
+    finally:
+        await sync.close()
+
+
+async def test_part_of_a_fused_module_is_rejected(engine, original, request_, tiny_model):
+    """vLLM loads q/k/v into one qkv_proj: an update with q_proj alone would leave k and v
+    undefined, so it is refused before anything is applied."""
+    before = await tokens(engine, request_)
+    v0 = engine.weight_version
+    partial = {k: v for k, v in update(str(tiny_model)).items() if ".q_proj." in k}
+    with pytest.raises(WeightSyncError) as info:
+        await push(engine, partial, v0 + 1)
+    assert caused_by(info.value, ManifestMismatch)
+    assert "qkv_proj" in str(info.value) and "k_proj" in str(info.value)
+    assert await tokens(engine, request_) == before
+    assert engine.weight_version == v0
+    # Whole modules are fine, even if the update is partial: one layer's attention only.
+    layer0 = {k: v for k, v in update(str(tiny_model)).items() if k.startswith("model.layers.0.self_attn.")}
+    await push(engine, layer0, v0 + 1)
+    assert await tokens(engine, request_) != before
+    await push(engine, original, v0 + 2)
+    assert await tokens(engine, request_) == before
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+async def test_trainer_killed_mid_stream(engine, original, request_, tiny_model, transport):
+    before = await tokens(engine, request_)
+    v0 = engine.weight_version
+    timeout_s = 8.0 if transport == "disk" else 60.0  # disk has no liveness channel, only its timeout
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=trainer_main, args=(child, transport, timeout_s, str(tiny_model), BUCKET, 3))
+    proc.start()
+    try:
+        spec_options = await asyncio.to_thread(parent.recv)
+        spec = TransportSpec(transport=transport, session_id=SESSION, rank_offset=1, world_size=2,
+                             timeout_s=timeout_s, options=spec_options)
+        await engine.init_weight_transfer(spec)
+        manifest = plan_manifest(specs_of(list(update(str(tiny_model)).items())), version=v0 + 1,
+                                 bucket_bytes=BUCKET, transport=transport, timeout_s=timeout_s)
+        assert len(manifest.buckets) >= 3
+        parent.send(manifest.model_dump())
+        receiving = asyncio.ensure_future(engine.receive_weights(manifest))
+        assert await asyncio.to_thread(parent.recv) == "stalled"
+        os.kill(proc.pid, signal.SIGKILL)
+        with pytest.raises(WeightSyncError) as info:
+            await asyncio.wait_for(receiving, timeout_s + 60)
+        assert "trainer" in str(info.value) and "bucket" in str(info.value), str(info.value)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+    # Staged apply: nothing of the interrupted update is served, and the engine still answers.
+    assert await tokens(engine, request_) == before
+    assert engine.weight_version == v0
+    # A new trainer session works right away.
+    await push(engine, update(str(tiny_model)), v0 + 1, transport=transport)
+    assert await tokens(engine, request_) != before
+    await push(engine, original, v0 + 2, transport=transport)
+    assert await tokens(engine, request_) == before
+
+
+async def test_no_stale_prefix_cache_after_push(engine, original, tiny_model):
+    """vllm#17103: KV blocks cached with the old weights must not serve prompts after an update.
+    A long prompt fills many prefix-cache blocks; after the push its output must equal the output
+    computed with the cache explicitly emptied."""
+    prompt = [[(i * 37) % 4000 + 10 for i in range(300)]]
+    req = GenerateRequest(prompt_token_ids=prompt, sampling=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    v0 = engine.weight_version
+    before = await tokens(engine, req)
+    assert await tokens(engine, req) == before  # now cached
+    await push(engine, update(str(tiny_model)), v0 + 1)
+    after = await tokens(engine, req)
+    await engine.reset_prefix_cache()
+    fresh = await tokens(engine, req)
+    assert after == fresh
+    assert after != before
+    await push(engine, original, v0 + 2)
+    assert await tokens(engine, req) == before
