@@ -287,7 +287,7 @@ class SglangEngine(Engine):
             await self._receive_relay(t, manifest)
 
     async def _receive_distributed(self, t: _Transfer, manifest: WeightManifest) -> None:
-        from .payloads import distributed_args
+        from .payloads import aligned_chunks, distributed_args
 
         control = t.control
         assert control is not None
@@ -303,10 +303,11 @@ class SglangEngine(Engine):
         try:
             for bucket in manifest.buckets:
                 await asyncio.to_thread(control.wait_go, manifest, bucket.index)
-                applied = True
-                await self.runtime.update_from_distributed(
-                    **distributed_args(manifest.bucket_tensors(bucket.index)), group_name=control.group_name
-                )
+                for chunk in aligned_chunks(manifest.bucket_tensors(bucket.index)):
+                    applied = True
+                    await self.runtime.update_from_distributed(
+                        **distributed_args(chunk), group_name=control.group_name
+                    )
         except BaseException as exc:
             if applied:
                 self._invalidate(f"update v{manifest.version} failed after part of it was applied ({exc})")

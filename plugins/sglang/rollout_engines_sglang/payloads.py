@@ -17,7 +17,8 @@ cleanly only when every rank unpickles its own copy.
 ``sglang_nccl`` (``update_weights_from_distributed(load_format="flattened_bucket")``): here SGLang
 allocates the receive buffer itself, tensors back to back with no padding, and receives it with
 one broadcast. The trainer therefore broadcasts the bucket *compacted* to that layout
-(:func:`compact_bucket`, a device-to-device copy), in manifest order.
+(:func:`compact_bucket`, a device-to-device copy), in manifest order, split where a tensor would
+start misaligned for its dtype (:func:`aligned_chunks`; one call and one broadcast per chunk).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 from rollout_engines.weights.buckets import torch_dtype
-from rollout_engines.weights.manifest import ALIGN, TensorPlacement
+from rollout_engines.weights.manifest import ALIGN, DTYPE_SIZES, TensorPlacement
 
 Serializer = Callable[[Any], bytes]
 
@@ -142,6 +143,29 @@ def _align(n: int) -> int:
 
 def packed_nbytes(placements: Sequence[TensorPlacement]) -> int:
     return sum(p.nbytes for p in placements)
+
+
+def aligned_chunks(placements: Sequence[TensorPlacement]) -> list[list[TensorPlacement]]:
+    """Split a bucket's tensors (in manifest order) into runs SGLang can receive in one flat buffer.
+
+    SGLang rebuilds each tensor as a view of its packed receive buffer, and a view of dtype D must
+    start at a multiple of D's size: after a bfloat16 tensor of odd length an int64 or float32
+    tensor cannot follow in the same buffer (torch refuses the view). A new run starts wherever
+    the next tensor would be misaligned. Sender and engine both call this, so they agree on the
+    number of broadcasts.
+    """
+    chunks: list[list[TensorPlacement]] = []
+    current: list[TensorPlacement] = []
+    offset = 0
+    for p in placements:
+        if current and offset % DTYPE_SIZES[p.dtype]:
+            chunks.append(current)
+            current, offset = [], 0
+        current.append(p)
+        offset += p.nbytes
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def distributed_args(placements: Sequence[TensorPlacement]) -> dict[str, list[Any]]:

@@ -16,7 +16,8 @@ broadcast before each bucket, aligned payloads, a store of its own), so SGLang g
   whole manifest against its checkpoint and posts its verdict; the sender waits for every verdict
   and broadcasts nothing if any engine refused (then it aborts, and every engine raises). So a
   bad manifest changes no weights anywhere.
-* **One broadcast per bucket.** SGLang 0.5.17 has ``load_format="flattened_bucket"`` for
+* **One broadcast per bucket** (more where dtypes would misalign, see
+  :func:`~.payloads.aligned_chunks`). SGLang 0.5.17 has ``load_format="flattened_bucket"`` for
   ``update_weights_from_distributed``: it allocates one flat buffer for the bucket's tensors (back
   to back, manifest order) and receives it with a single broadcast. The sender compacts the core's
   aligned bucket into that layout (:func:`~.payloads.compact_bucket`, a device copy) and
@@ -46,7 +47,7 @@ from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 from rollout_engines.weights.transport import TransportReceiver, TransportSender
 from rollout_engines.weights.transports import _store
 
-from .payloads import compact_bucket
+from .payloads import aligned_chunks, compact_bucket
 
 logger = logging.getLogger("rollout_engines.sglang")
 
@@ -97,6 +98,7 @@ class SglangNcclSender(TransportSender):
         self._placements: dict[int, list[Any]] = {}
         self._slots: list[torch.Tensor] = []
         self._inflight: list[tuple[Any, torch.Tensor]] = []
+        self._next_slot = 0
 
     def spec_options(self) -> dict[str, Any]:
         return dict(self._spec)
@@ -150,21 +152,22 @@ class SglangNcclSender(TransportSender):
             raise WeightSyncError(f"sglang_nccl: engine at offset {o} refused update v{manifest.version}: {reason}")
 
     def send_bucket(self, header: BucketHeader, buf: torch.Tensor) -> None:
-        placements = self._placements[header.index]
-        slot = header.index % 2
-        need = sum(p.nbytes for p in placements)
-        if len(self._slots) <= slot or self._slots[slot].numel() < need:
-            self._slots[slot : slot + 1] = [torch.empty(need, dtype=torch.uint8, device=self._device)]
-        # The previous use of this slot (bucket index-2) must be on the wire before it is reused.
-        while len(self._inflight) > 1:
-            self._wait_oldest(header.index)
-        packed = compact_bucket(buf[: header.nbytes], placements, out=self._slots[slot])
         # Go-ahead for this bucket: the engines call update_weights_from_distributed only now.
         self._kv.set(f"go/{self._token}/{header.index}", "1")
-        work = torch.distributed.broadcast(packed, src=0, group=self._pg, async_op=True)
-        self._inflight.append((work, packed))
-        # The core's contract: once this returns, the caller may overwrite earlier buffers; the
-        # compacted copy is ours, so only the copy out of ``buf`` has to be finished.
+        for chunk in aligned_chunks(self._placements[header.index]):
+            need = sum(p.nbytes for p in chunk)
+            # The previous use of a slot (two broadcasts ago) must be on the wire before reuse.
+            while len(self._inflight) > 1:
+                self._wait_oldest(header.index)
+            slot = self._next_slot
+            self._next_slot ^= 1
+            if len(self._slots) <= slot or self._slots[slot].numel() < need:
+                self._slots[slot : slot + 1] = [torch.empty(need, dtype=torch.uint8, device=self._device)]
+            packed = compact_bucket(buf[: header.nbytes], chunk, out=self._slots[slot])
+            work = torch.distributed.broadcast(packed, src=0, group=self._pg, async_op=True)
+            self._inflight.append((work, packed))
+        # The core's contract: once this returns, the caller may overwrite ``buf``; the compacted
+        # copies are ours, so only the copies out of ``buf`` have to be finished.
         torch.cuda.current_stream(self._device).synchronize()
 
     def _wait_oldest(self, index: int) -> None:

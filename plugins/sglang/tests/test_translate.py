@@ -1,0 +1,101 @@
+"""Request translation: every core SamplingParams field reaches SGLang's sampling_params, and
+SGLang's outputs come back as the core's completions."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_engines.errors import InvalidRequest
+from rollout_engines.types import GenerateRequest, SamplingParams
+from rollout_engines_sglang import translate
+
+
+def test_every_sampling_field_is_mapped() -> None:
+    s = SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, max_tokens=33, stop=["</s>", "\n\n"],
+        stop_token_ids=[2, 7], ignore_eos=True, seed=1234, logprobs=3, n=4,
+    )
+    out = translate.sampling_params(s)
+    assert out == {
+        "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "max_new_tokens": 33,
+        "stop": ["</s>", "\n\n"], "stop_token_ids": [2, 7], "ignore_eos": True, "sampling_seed": 1234,
+        "n": 1,
+    }
+    assert translate.logprob_kwargs(s) == {"return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 3}
+    # Every field of the core's model is accounted for (a new field must be mapped here too).
+    handled_elsewhere = {"logprobs", "n"}  # request-level logprob args; prompt repetition
+    mapped = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "seed"}
+    assert set(SamplingParams.model_fields) == mapped | handled_elsewhere
+
+
+def test_defaults_leave_optional_fields_out() -> None:
+    out = translate.sampling_params(SamplingParams())
+    assert "stop" not in out and "stop_token_ids" not in out and "sampling_seed" not in out
+    assert out["top_k"] == -1 and out["max_new_tokens"] == 16
+    assert translate.logprob_kwargs(SamplingParams()) == {"return_logprob": False}
+    # logprobs=0: only the sampled token's logprob.
+    assert translate.logprob_kwargs(SamplingParams(logprobs=0))["top_logprobs_num"] == 0
+
+
+def test_n_is_expanded_prompt_major() -> None:
+    req = GenerateRequest(prompt_token_ids=[[1, 2], [3]], sampling=SamplingParams(n=3, temperature=0.5))
+    kw = translate.generate_kwargs(req, [[1, 2], [3]])
+    assert kw["input_ids"] == [[1, 2]] * 3 + [[3]] * 3
+    assert len(kw["sampling_params"]) == 6
+    assert all(sp["n"] == 1 and sp["temperature"] == 0.5 for sp in kw["sampling_params"])
+    # Separate dicts: SGLang normalises them in place.
+    assert len({id(sp) for sp in kw["sampling_params"]}) == 6
+
+
+def _out(ids: list[int], reason: dict | None, logprobs: list[float] | None = None) -> dict:
+    meta: dict = {"finish_reason": reason}
+    if logprobs is not None:
+        meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(logprobs, ids, strict=True)]
+    return {"text": f"t{ids}", "output_ids": ids, "meta_info": meta}
+
+
+def test_outputs_become_completions() -> None:
+    s = SamplingParams(n=2, logprobs=0)
+    outputs = [
+        _out([5, 6], {"type": "length", "length": 2}, [-0.5, -1.5]),
+        _out([7], {"type": "stop", "matched": 2}, [-0.25]),
+        _out([8, 9], {"type": "stop", "matched": "\n"}, [-1.0, -2.0]),
+        _out([], {"type": "abort", "message": "x"}, []),
+    ]
+    comps = translate.to_completions(outputs, [[1, 2], [3]], s, weight_version=7)
+    assert [(c.prompt_index, c.sample_index) for c in comps] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [c.finish_reason for c in comps] == ["length", "stop", "stop", "abort"]
+    assert comps[0].token_ids == [5, 6] and comps[0].logprobs == [-0.5, -1.5]
+    assert comps[2].prompt_token_ids == [3] and comps[0].prompt_token_ids == [1, 2]
+    assert comps[1].text == "t[7]" and all(c.weight_version == 7 for c in comps)
+
+
+def test_no_logprobs_requested_gives_none_and_count_mismatch_raises() -> None:
+    comps = translate.to_completions(_out([1], {"type": "length"}), [[4]], SamplingParams(), 0)
+    assert comps[0].logprobs is None
+    with pytest.raises(RuntimeError, match="2 outputs for 1 prompts"):
+        translate.to_completions([_out([1], None), _out([2], None)], [[4]], SamplingParams(), 0)
+    assert translate.finish_reason({"finish_reason": None}) == "abort"
+
+
+def test_tokenize_prompts_and_chats_with_the_model_tokenizer(tiny_model) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    ids = translate.tokenize_request(GenerateRequest(prompts=["hello world"]), tok)
+    assert ids == [tok.encode("hello world")]
+    chat = [{"role": "user", "content": "hi there"}]
+    ids = translate.tokenize_request(GenerateRequest(messages=[chat]), tok)
+    expected = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) else expected
+    assert ids == [list(expected)]
+    assert ids[0][-3:] != ids[0][:3]  # the template wrapped the message
+    assert translate.tokenize_request(GenerateRequest(prompt_token_ids=[[3, 4]]), tok) == [[3, 4]]
+
+
+def test_check_prompts_refuses_what_sglang_cannot_take() -> None:
+    translate.check_prompts([[1, 2]], vocab_size=10, max_model_len=8, max_tokens=6)
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        translate.check_prompts([[1, 10]], vocab_size=10, max_model_len=None, max_tokens=1)
+    with pytest.raises(InvalidRequest, match="exceed the context window of 8"):
+        translate.check_prompts([[1, 2, 3]], vocab_size=None, max_model_len=8, max_tokens=6)
