@@ -34,9 +34,12 @@ What the group does:
   1. ``on_rejoin(engine, version)``: an async callback of the caller's; it must leave ``engine`` at
      ``version`` (typically it pushes the trainer's current weights with
      ``connect_weight_sync([engine], ...)``);
-  2. ``weight_source``: a directory of ``*.safetensors`` files holding the latest weights (HF names),
-     or a callable ``version -> named tensors``; the group pushes it over ``rejoin_transport``
-     (default: the transport of the last session). The group never keeps weights in memory itself.
+  2. ``weight_source``: a directory, or a callable ``version -> named tensors``; the group pushes
+     those tensors over ``rejoin_transport`` (default: the transport of the last session). The
+     directory is either where the trainer pushes over the ``disk`` transport
+     (``options={"path": dir}``: its newest complete update is used, and must be the group's
+     version) or one holding ``*.safetensors`` files of the latest weights (HF names). The group
+     never keeps weights in memory itself.
 
   Without either, a stale member stays out of traffic and an error is logged once.
 
@@ -499,9 +502,7 @@ class EngineGroup(Engine):
 
         source = self.weight_source
         if isinstance(source, str | Path):
-            from .weights.checkpoint import load_checkpoint
-
-            tensors: Any = await asyncio.to_thread(load_checkpoint, source)
+            tensors: Any = await asyncio.to_thread(_load_source_dir, Path(source), version)
         else:
             assert source is not None
             tensors = source(version)
@@ -691,6 +692,24 @@ class EngineGroup(Engine):
         for m, r in zip(self._members, results, strict=True):
             if isinstance(r, BaseException):
                 logger.warning("engine group: closing member %d failed: %r", m.index, r)
+
+
+def _load_source_dir(root: Path, version: int) -> Any:
+    """The weights of ``version`` from a directory: the newest complete update the ``disk``
+    transport left there (its version must be ``version``), else the directory's ``*.safetensors``."""
+    from .weights.checkpoint import load_checkpoint
+    from .weights.transports.disk import load_latest
+
+    latest = load_latest(root)
+    if latest is None:
+        return load_checkpoint(root)
+    manifest, tensors = latest
+    if manifest.version != version:
+        raise WeightSyncError(
+            f"weight_source {root} holds v{manifest.version}, not the group's v{version}; push over the "
+            "'disk' transport into that directory (or keep it current) so returning engines can catch up"
+        )
+    return tensors
 
 
 __all__ = ["CLIENT_ERRORS", "ENGINE_FAILURES", "EngineGroup", "ROUTINGS", "Routing", "intersect_capabilities"]

@@ -3,7 +3,7 @@
 It is a real :class:`Engine` subclass (the base class's rules apply) whose "model" is one tensor
 ``bias`` (shape ``[workers, 4]``): every output token is ``prompt token + sum(bias)`` modulo 1000, so
 a weight push changes the output. It receives weights through real :class:`WeightReceiver` s, one
-per "worker", over the ``inproc`` transport, so rank offsets in a group are exercised for real.
+per "worker", over the ``inproc`` or ``disk`` transport, so rank offsets in a group are exercised for real.
 
 Test controls: ``delay_s`` keeps requests in flight; :meth:`crash` makes the engine fail like a
 dead process (in-flight and new requests raise :class:`EngineUnavailable`, health is False);
@@ -36,7 +36,7 @@ class _Bias(torch.nn.Module):
 class EchoEngine(Engine):
     backend_name = "echo"
     capabilities = Capabilities(
-        sleep_levels=(1,), sleep_tags=("weights", "kv_cache"), transports=("inproc",), stop_strings=False,
+        sleep_levels=(1,), sleep_tags=("weights", "kv_cache"), transports=("inproc", "disk"), stop_strings=False,
     )
 
     def __init__(self, name: str = "echo", *, delay_s: float = 0.0, workers: int = 1) -> None:

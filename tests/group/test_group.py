@@ -246,6 +246,33 @@ async def test_engine_that_missed_a_push_rejoins_from_a_weight_source_directory(
     assert {tuple(o[0].token_ids) for o in outs} == {tuple(echo_tokens(1, 12, 2))}
 
 
+async def test_engine_rejoins_from_the_disk_transport_directory(tmp_path):
+    group, engines = group_of(2, weight_source=tmp_path, rejoin_transport="inproc")
+    engines[0].crash()
+    await group.check_health()
+    sync = await connect_weight_sync([group], "disk", options={"path": str(tmp_path)}, timeout_s=10)
+    for version, value in ((1, 1.0), (2, 2.0)):  # the trainer pushes over disk; the directory keeps the newest
+        await sync.push({"bias": torch.full((1, 4), value)}, version=version)
+    await sync.close()
+    engines[0].restart()
+    assert await group.check_health() == [True, True]
+    assert engines[0].weight_version == 2 and engines[0].offset() == 8
+
+
+async def test_weight_source_at_another_version_is_refused(tmp_path):
+    group, engines = group_of(2, weight_source=tmp_path, rejoin_transport="inproc")
+    sync = await connect_weight_sync([group], "disk", options={"path": str(tmp_path)}, timeout_s=10)
+    await sync.push({"bias": torch.ones(1, 4)}, version=1)
+    await sync.close()
+    engines[1].crash()
+    await group.check_health()
+    await _push_bias(group, 3.0, 2)  # over inproc: the directory still holds v1
+    assert group.weight_version == 2
+    engines[1].restart()
+    assert await group.check_health() == [True, False]
+    assert "holds v1, not the group's v2" in group.member_stats()[1]["last_error"]
+
+
 async def test_push_fails_with_a_clear_error_when_a_session_member_died():
     group, engines = group_of(2)
     sync = await connect_weight_sync([group], "inproc", timeout_s=2)
