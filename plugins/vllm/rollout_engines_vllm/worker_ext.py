@@ -75,6 +75,8 @@ class VllmWeightTarget:
             named = [(n, t.clone()) for n, t in named]
         if self.use_reload:
             self.worker.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+            if any(n.endswith("embed_tokens.weight") for n, _ in named):
+                self._refresh_tied_head()
             return
         model = self.worker.model_runner.get_model()
 
@@ -98,6 +100,27 @@ class VllmWeightTarget:
             plan.shapes.update(learned.shapes)
         if known:
             plan.apply(known, load)
+
+
+    def _refresh_tied_head(self) -> None:
+        """Rebuild a tied LM head's packed GEMM weights after the embedding was reloaded.
+
+        On CPU the head multiplies through a oneDNN handle packed from the weight at load time. With
+        tied embeddings the checkpoint has no ``lm_head.weight``, so a reload refills the shared
+        parameter but never re-packs the head: logits would keep using the old embedding.
+        """
+        model = self.worker.model_runner.get_model()
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        method = getattr(head, "quant_method", None)
+        if head is None or embed is None or method is None or head is embed:
+            return
+        if getattr(head, "weight", None) is not getattr(embed, "weight", None):
+            return  # not tied: the head has its own checkpoint tensor and reloads itself
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.worker.vllm_config):
+            method.process_weights_after_loading(head)
 
 
 class _RejectAll:
