@@ -247,9 +247,6 @@ class EngineGroup(Engine):
         return member.index
 
     # ---- routing (hot path: keep it lean) --------------------------------------------------------
-    def _free(self, m: _Member) -> bool:
-        return m.serving and (self.max_outstanding is None or m.outstanding < self.max_outstanding)
-
     def _pick(self, request: GenerateRequest) -> tuple[_Member | None, deque[asyncio.Future[None]]]:
         """The member to send ``request`` to now, or None and the queue to wait in."""
         members = self._members
@@ -265,16 +262,17 @@ class EngineGroup(Engine):
             return None, self._waiters
         start = self._rr
         self._rr = start + 1
+        limit = self.max_outstanding
         if self.routing == "round_robin":
             for k in range(n):
                 m = members[(start + k) % n]
-                if self._free(m):
+                if m.serving and (limit is None or m.outstanding < limit):
                     return m, self._waiters
             return None, self._waiters
         best: _Member | None = None
         for k in range(n):  # least outstanding; the rotating start spreads ties
             m = members[(start + k) % n]
-            if self._free(m) and (best is None or m.outstanding < best.outstanding):
+            if m.serving and (limit is None or m.outstanding < limit) and (best is None or m.outstanding < best.outstanding):
                 best = m
         return best, self._waiters
 
@@ -345,18 +343,20 @@ class EngineGroup(Engine):
             try:
                 result = await member.engine.generate(request)
             except asyncio.CancelledError:
-                if task not in self._evicted:
+                if not (self._evicted and self._take_eviction(task)):
                     raise  # the caller cancelled
-                self._evicted.discard(task)
-                uncancel = getattr(task, "uncancel", None)
-                if uncancel is not None:
-                    uncancel()
                 error: BaseException = EngineUnavailable(f"member {member.index} was marked down")
             except CLIENT_ERRORS:
+                if self._evicted:
+                    self._take_eviction(task)
                 raise
             except Exception as exc:
+                if self._evicted:
+                    self._take_eviction(task)
                 error = exc
             else:
+                if self._evicted:  # the engine answered although the group cancelled it
+                    self._take_eviction(task)
                 member.completed += 1
                 return result
             finally:
@@ -373,6 +373,17 @@ class EngineGroup(Engine):
             self.retried += 1
             logger.debug("retrying a request after member %d failed: %r", member.index, error)
             self._ensure_started()
+
+    def _take_eviction(self, task: asyncio.Task[Any]) -> bool:
+        """Withdraw the group's cancellation of ``task`` (its member went down); False if the
+        group had not cancelled it. The engine may have turned the cancellation into another error."""
+        if task not in self._evicted:
+            return False
+        self._evicted.discard(task)
+        uncancel = getattr(task, "uncancel", None)  # Python >= 3.11 counts cancellations
+        if uncancel is not None:
+            uncancel()
+        return True
 
     async def _is_engine_failure(self, member: _Member, error: BaseException) -> bool:
         """Decide whether ``error`` means the member is broken (mark it down, retry the request
