@@ -1,0 +1,38 @@
+"""Registration of the vLLM backend: cheap, and importing neither vLLM nor torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+def test_registered_without_importing_vllm_or_torch():
+    code = (
+        "import json, sys\n"
+        "from rollout_engines.plugins import get_registry\n"
+        "r = get_registry()\n"
+        "rec = {x.name: x for x in r.records()}['vllm']\n"
+        "spec = r.backend('vllm')\n"
+        "print(json.dumps({'installed': rec.installed, 'dist': rec.distribution, 'target': spec.target,\n"
+        "  'heavy': [m for m in ('vllm', 'torch') if m in sys.modules]}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {
+        "installed": True, "dist": "rollout-engines-vllm",
+        "target": "rollout_engines_vllm.engine:VllmEngine", "heavy": [],
+    }
+
+
+def test_unknown_option_types_fail_early(tiny_model):
+    from pydantic import ValidationError
+
+    from rollout_engines import create_engine
+
+    with pytest.raises(ValidationError, match="weight_apply_mode"):
+        create_engine("vllm", model=str(tiny_model), weight_apply_mode="sometimes")
