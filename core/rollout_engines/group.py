@@ -246,6 +246,28 @@ class EngineGroup(Engine):
         await self._probe(member)
         return member.index
 
+    async def replace_engine(self, index: int, engine: Engine) -> None:
+        """Put ``engine`` in member ``index``'s place (e.g. for an actor Ray will not restart any
+        more): the old engine's requests are retried on the others and it is closed; the new one
+        keeps the index, so sticky sessions map to it, and takes traffic once at the group's
+        weight version."""
+        self._check_not_closed()
+        if not 0 <= index < len(self._members):
+            raise ValueError(f"no member {index}; the group has {len(self._members)}")
+        if any(m.engine is engine for m in self._members):
+            raise ValueError("this engine is already a member of the group")
+        old = self._members[index]
+        self._mark_down(old, "replaced")
+        member = _Member(engine, index)
+        member.serving = member.healthy = False
+        self._members[index] = member
+        try:
+            await old.engine.close()
+        except Exception as exc:  # it is usually dead already
+            logger.debug("engine group: closing replaced member %d: %r", index, exc)
+        self._ensure_started()
+        await self._probe(member)
+
     # ---- routing (hot path: keep it lean) --------------------------------------------------------
     def _pick(self, request: GenerateRequest) -> tuple[_Member | None, deque[asyncio.Future[None]]]:
         """The member to send ``request`` to now, or None and the queue to wait in."""

@@ -319,6 +319,27 @@ async def test_added_engine_joins_at_the_group_version():
         await group.add_engine(extra)
 
 
+async def test_replacement_takes_the_dead_members_place_and_sessions():
+    async def on_rejoin(engine, version):
+        await _push_bias(engine, 1.0, version)
+
+    group, engines = group_of(2, routing="sticky", on_rejoin=on_rejoin)
+    await _push_bias(group, 1.0, 4)
+    for i in range(50):  # a session that member 0 owns
+        mine = f"s{i}"
+        await group.generate(req(tag=mine))
+        if engines[0].served[mine]:
+            break
+    engines[0].crash()
+    await group.generate(req(tag=mine))
+    assert engines[1].served[mine] == 1  # moved while member 0 is down
+    new = EchoEngine("new")
+    await group.replace_engine(0, new)
+    assert engines[0].closed and new.weight_version == 4
+    out = await group.generate(req(5, tag=mine))
+    assert new.served[mine] == 1 and out[0].token_ids == echo_tokens(5, 4, 2)  # the session is back on slot 0
+
+
 def test_bad_configuration_is_refused():
     with pytest.raises(ValueError, match="at least one engine"):
         EngineGroup([])
