@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +50,7 @@ async def start_engines(
         from .ray import acreate_ray_engines
 
         if not ray.is_initialized():
-            ray.init(num_cpus=max(n * ray_cpus_per_engine, 1), include_dashboard=False, log_to_driver=False)
+            ray.init(num_cpus=max(math.ceil(n * ray_cpus_per_engine), 1), include_dashboard=False, log_to_driver=False)
         return list(await acreate_ray_engines(n, backend, model, num_cpus=ray_cpus_per_engine, **engine_kwargs))
     from .factory import acreate_engine
 
