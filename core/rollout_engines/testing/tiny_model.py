@@ -31,11 +31,15 @@ from pathlib import Path
 logger = logging.getLogger("rollout_engines.testing.tiny_model")
 
 #: Bump when the files this module writes change, so stale caches are not reused.
-TINY_MODEL_VERSION = "v1"
+TINY_MODEL_VERSION = "v4"
 CACHE_ENV = "ROLLOUT_ENGINES_CACHE"
 
 VOCAB_SIZE = 4096
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, MAX_POSITIONS = 128, 256, 2, 4, 2, 2048
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -52,6 +56,7 @@ MODEL_FILES = (
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
+    "tiny_model.json",
 )
 
 _WORDS = """
@@ -89,7 +94,7 @@ _CODE_LINES = (
 )
 
 
-def _corpus(seed: int, sentences: int = 6000) -> Iterator[str]:
+def _corpus(seed: int, sentences: int = 10000) -> Iterator[str]:
     """Text in English-like words, pseudo-words, numbers, code and chat turns; seeded."""
     rng = random.Random(seed)
 
@@ -121,15 +126,24 @@ def _corpus(seed: int, sentences: int = 6000) -> Iterator[str]:
             )
 
 
-def _build_tokenizer(seed: int, out: Path) -> dict[str, int]:
-    """Train the byte-level BPE tokenizer and save it in transformers' fast-tokenizer format."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+def _write_json(path: Path, data: dict[str, object]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
+
+def _build_tokenizer(seed: int, out: Path) -> dict[str, int]:
+    """Train the byte-level BPE tokenizer; write it in transformers' fast-tokenizer layout."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    # Exactly Qwen2's pipeline: transformers 5 rebuilds a qwen2 model's tokenizer from the vocabulary
+    # and merges with this normalizer and pre-tokenizer, so any other choice would tokenize
+    # differently there than in transformers 4 (digits, for one).
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
         min_frequency=2,
@@ -138,49 +152,105 @@ def _build_tokenizer(seed: int, out: Path) -> dict[str, int]:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB_SIZE:  # every id the model can emit must decode
+        raise RuntimeError(f"tokenizer training gave {tok.get_vocab_size()} tokens, not {VOCAB_SIZE}")
+    tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=2048,
-        clean_up_tokenization_spaces=False,
-    )
-    fast.save_pretrained(out)
+    _write_json(out / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": {
+            str(ids[t]): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                          "single_word": False, "special": True}
+            for t in SPECIAL_TOKENS
+        },
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": MAX_POSITIONS,
+        "clean_up_tokenization_spaces": False,
+    })
+    _write_json(out / "special_tokens_map.json", {
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+    })
     return ids
 
 
+def qwen2_tensor_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of the tiny model's checkpoint, in Qwen2ForCausalLM parameter order (HF names;
+    ``lm_head.weight`` is tied to the embeddings and not stored)."""
+    h, inter, heads, kv_heads = HIDDEN, INTERMEDIATE, HEADS, KV_HEADS
+    head_dim = h // heads
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (VOCAB_SIZE, h))]
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "self_attn.q_proj.weight", (heads * head_dim, h)),
+            (p + "self_attn.q_proj.bias", (heads * head_dim,)),
+            (p + "self_attn.k_proj.weight", (kv_heads * head_dim, h)),
+            (p + "self_attn.k_proj.bias", (kv_heads * head_dim,)),
+            (p + "self_attn.v_proj.weight", (kv_heads * head_dim, h)),
+            (p + "self_attn.v_proj.bias", (kv_heads * head_dim,)),
+            (p + "self_attn.o_proj.weight", (h, heads * head_dim)),
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.down_proj.weight", (h, inter)),
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
+    shapes.append(("model.norm.weight", (h,)))
+    return shapes
+
+
 def _build_weights(seed: int, out: Path, special_ids: dict[str, int]) -> None:
+    """Write config, generation config and random float32 weights.
+
+    Files are written directly (not through ``save_pretrained``), so their bytes do not depend on
+    the installed transformers release and one cache serves environments with different releases.
+    The weights come from a private generator: biases and norm scales are random too (not 0 and
+    1), so an engine's weight loader that drops them is caught by the tests.
+    """
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from safetensors.torch import save_file
 
     eos, pad = special_ids["<|im_end|>"], special_ids["<|endoftext|>"]
-    config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        initializer_range=INITIALIZER_RANGE,
-        use_sliding_window=False,
-        bos_token_id=pad,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        torch_dtype="float32",
-    )
-    # Initialise on a private generator state so the caller's global RNG is left alone.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(bos_token_id=pad, eos_token_id=[eos, pad], pad_token_id=pad)
-    model.save_pretrained(out, safe_serialization=True)
+    _write_json(out / "config.json", {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITIONS,
+        "max_window_layers": LAYERS,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-6,
+        "attention_dropout": 0.0,
+        "initializer_range": INITIALIZER_RANGE,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "bos_token_id": pad,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "torch_dtype": "float32",
+    })
+    _write_json(out / "generation_config.json", {"bos_token_id": pad, "eos_token_id": [eos, pad], "pad_token_id": pad})
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in qwen2_tensor_shapes():
+        t = torch.empty(shape, dtype=torch.float32).normal_(0.0, INITIALIZER_RANGE, generator=gen)
+        tensors[name] = t + 1.0 if name.endswith("norm.weight") else t
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _fingerprint(path: Path) -> str:
@@ -264,8 +334,8 @@ def default_cache_dir() -> Path:
 def tiny_model_path() -> Path:
     """The cached tiny model (seed 0), built on first use.
 
-    The cache folder is ``$ROLLOUT_ENGINES_CACHE/tiny-qwen2-v1`` or, without that variable,
-    ``~/.cache/rollout-engines/tiny-qwen2-v1``.
+    The cache folder is ``$ROLLOUT_ENGINES_CACHE/tiny-qwen2-<version>`` or, without that variable,
+    ``~/.cache/rollout-engines/tiny-qwen2-<version>`` (version: :data:`TINY_MODEL_VERSION`).
     """
     path = default_cache_dir()
     if _is_complete(path):
@@ -274,4 +344,6 @@ def tiny_model_path() -> Path:
         return build_tiny_model(path, seed=0)
 
 
-__all__ = ["build_tiny_model", "tiny_model_path", "default_cache_dir", "TINY_MODEL_VERSION", "VOCAB_SIZE"]
+__all__ = [
+    "TINY_MODEL_VERSION", "VOCAB_SIZE", "build_tiny_model", "default_cache_dir", "qwen2_tensor_shapes", "tiny_model_path",
+]
