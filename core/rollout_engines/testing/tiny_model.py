@@ -30,7 +30,7 @@ from pathlib import Path
 
 logger = logging.getLogger("rollout_engines.testing.tiny_model")
 
-#: Bump when the files this module writes change, so stale caches are not reused.
+#: Names the model's shape; the cache folder adds a hash of this file, so an edited recipe rebuilds.
 TINY_MODEL_VERSION = "v4"
 CACHE_ENV = "ROLLOUT_ENGINES_CACHE"
 
@@ -325,17 +325,22 @@ def build_tiny_model(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
     return final
 
 
+def _recipe_hash() -> str:
+    """Short hash of this module's source: a changed recipe never reuses a cache built by the old one."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:10]
+
+
 def default_cache_dir() -> Path:
     root = os.environ.get(CACHE_ENV)
     base = Path(root).expanduser() if root else Path.home() / ".cache" / "rollout-engines"
-    return base / f"tiny-qwen2-{TINY_MODEL_VERSION}"
+    return base / f"tiny-qwen2-{TINY_MODEL_VERSION}-{_recipe_hash()}"
 
 
 def tiny_model_path() -> Path:
     """The cached tiny model (seed 0), built on first use.
 
-    The cache folder is ``$ROLLOUT_ENGINES_CACHE/tiny-qwen2-<version>`` or, without that variable,
-    ``~/.cache/rollout-engines/tiny-qwen2-<version>`` (version: :data:`TINY_MODEL_VERSION`).
+    The cache folder is ``$ROLLOUT_ENGINES_CACHE/tiny-qwen2-<version>-<recipe hash>`` or, without
+    that variable, ``~/.cache/rollout-engines/tiny-qwen2-<version>-<recipe hash>``.
     """
     path = default_cache_dir()
     if _is_complete(path):
