@@ -54,7 +54,8 @@ T = TypeVar("T")
 WORKER_EXTENSION = "rollout_engines_vllm.worker_ext.WorkerExtension"  # vLLM qualname: dots only
 CPU_KV_CACHE_BYTES = 256 * 2**20
 CPU_TRANSPORTS = ("gloo", "shm", "disk")
-CUDA_TRANSPORTS = ("nccl", "cuda_ipc", "disk")
+#: On CUDA the host transports work too (received on the host, copied up by the loader).
+CUDA_TRANSPORTS = ("nccl", "cuda_ipc", "disk", "gloo", "shm")
 
 #: vLLM's sleep mode swaps the CUDA allocator of the process for its own (a process-wide
 #: singleton), so a second sleep-mode engine in one process breaks the first (vllm#18975).

@@ -141,6 +141,18 @@ class WorkerExtension:
     def roe_worker_info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": int(getattr(self, "rank", 0)), "device": str(getattr(self, "device", "cpu"))}
 
+    def roe_param_checksum(self) -> dict[str, float]:
+        """Sums over this worker's parameters (to compare weights where greedy tokens are not
+        reproducible, e.g. real-size models on a GPU). Meaningless on CPU, where vLLM repacks
+        linear weights out of their parameters."""
+        total, absolute, count = 0.0, 0.0, 0
+        with torch.no_grad():
+            for _, p in self.model_runner.get_model().named_parameters():
+                total += float(p.double().sum())
+                absolute += float(p.double().abs().sum())
+                count += p.numel()
+        return {"sum": total, "abs_sum": absolute, "numel": count}
+
     def _roe_state(self) -> dict[str, Any]:
         state = self.__dict__.get("_roe")
         if state is None:
