@@ -712,15 +712,24 @@ class EngineGroup(Engine):
         """True while at least one member serves."""
         return not self._closed and any(m.serving for m in self._members)
 
-    async def _close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            try:
-                await self._health_task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._health_task = None
+    async def _stop(self) -> None:
+        tasks = [t for t in (self._health_task, *self._background) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._health_task = None
+        self._background.clear()
         self._wake_all()
+
+    async def detach(self) -> list[Engine]:
+        """Stop using the members without closing them (health checks stop; the group is closed
+        afterwards); returns them, e.g. to build another group over the same engines."""
+        self._closed = True
+        await self._stop()
+        return self.engines
+
+    async def _close(self) -> None:
+        await self._stop()
         results = await asyncio.gather(*(m.engine.close() for m in self._members), return_exceptions=True)
         for m, r in zip(self._members, results, strict=True):
             if isinstance(r, BaseException):

@@ -12,6 +12,7 @@ from echo_engine import POISON, EchoEngine, echo_tokens
 from rollout_engines import (
     CapabilityError,
     EngineAsleep,
+    EngineClosed,
     EngineGroup,
     EngineUnavailable,
     GenerateRequest,
@@ -304,6 +305,19 @@ async def test_background_health_checks_mark_down_and_bring_back():
     assert group.member_stats()[0]["serving"]
     await group.close()
     assert all(e.closed for e in engines)
+
+
+async def test_detach_stops_the_group_and_leaves_its_engines_open():
+    group, engines = group_of(2, health_interval_s=0.01)
+    await group.generate(req())
+    assert await group.detach() == engines
+    assert group.closed and not any(e.closed for e in engines)
+    calls = engines[0].calls
+    engines[0].crash()
+    await asyncio.sleep(0.05)  # no health loop any more: nothing notices
+    assert group.member_stats()[0]["serving"] and engines[0].calls == calls
+    with pytest.raises(EngineClosed):
+        await group.generate(req())
 
 
 async def test_added_engine_joins_at_the_group_version():

@@ -20,7 +20,7 @@ from rollout_engines.weights.checkpoint import load_checkpoint, perturbed  # noq
 pytestmark = [pytest.mark.ray, pytest.mark.transformers]
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def greedy(prompts: list[str]) -> GenerateRequest:
@@ -87,6 +87,7 @@ async def test_gloo_push_reaches_engines_on_both_nodes(engines, tiny_model):
     routed = [await group.generate(greedy(prompts)) for _ in range(4)]  # through the group, both engines
     assert all([c.token_ids for c in r] == [c.token_ids for c in after[0]] for r in routed)
     assert [s["completed"] for s in group.member_stats()] == [2, 2]
+    assert await group.detach() == engines  # the engines stay up for the next test
 
 
 @in_module_loop
@@ -106,7 +107,7 @@ async def test_killed_actor_loses_no_request_and_rejoins_with_the_latest_weights
     victim, pid = engines[0], engines[0].pid
 
     requests = [
-        GenerateRequest(prompt_token_ids=[[11 + i % 300, 7, 42]], sampling=SamplingParams(temperature=0.0, max_tokens=12))
+        GenerateRequest(prompt_token_ids=[[11 + i % 300, 7, 42]], sampling=SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
         for i in range(200)
     ]
     tasks = [asyncio.ensure_future(group.generate(r)) for r in requests]
@@ -141,6 +142,7 @@ async def test_killed_actor_loses_no_request_and_rejoins_with_the_latest_weights
     assert outs[0] == outs[1] != reference
     await group.check_health()
     assert all(s["serving"] and s["weight_version"] == 8 for s in group.member_stats())
+    await group.detach()
 
 
 @in_module_loop
