@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 
 import torch
-
 from rollout_engines import Capabilities, Completion, Engine, EngineConfig, GenerateRequest
 from rollout_engines.errors import WeightsInvalidated
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest

@@ -75,20 +75,34 @@ def session_store(store: dist.Store, session_id: str) -> dist.PrefixStore:
     return dist.PrefixStore(f"roe/{session_id}/", store)
 
 
-def poll(done: Callable[[], bool], *, timeout_s: float, check: Callable[[], None], on_timeout: Callable[[], Exception]) -> None:
+def poll(
+    done: Callable[[], bool],
+    *,
+    timeout_s: float,
+    check: Callable[[], None],
+    on_timeout: Callable[[], Exception],
+    peer: str = TRAINER,
+    bucket: int | None = None,
+) -> None:
     """Wait until ``done()`` with a short back-off; ``check()`` (raises on a dead peer) runs twice a
-    second; past the timeout ``on_timeout()`` is raised."""
+    second; past the timeout ``on_timeout()`` is raised. A broken store connection (its host,
+    ``peer``, is gone) becomes a :class:`WeightSyncError` too."""
     start = time.monotonic()
     deadline, next_check, nap = start + timeout_s, start + CHECK_EVERY_S, 2e-5
-    while not done():
-        now = time.monotonic()
-        if now >= next_check:
-            check()
-            next_check = now + CHECK_EVERY_S
-        if now >= deadline:
-            raise on_timeout()
-        time.sleep(nap)
-        nap = min(nap * 2, 2e-3)
+    try:
+        while not done():
+            now = time.monotonic()
+            if now >= next_check:
+                check()
+                next_check = now + CHECK_EVERY_S
+            if now >= deadline:
+                raise on_timeout()
+            time.sleep(nap)
+            nap = min(nap * 2, 2e-3)
+    except WeightSyncError:
+        raise
+    except Exception as exc:
+        raise WeightSyncError(f"lost the rendezvous store ({_short(exc)}); {peer} is gone", peer=peer, bucket=bucket) from exc
 
 
 class Heartbeat:
@@ -163,8 +177,15 @@ class PeerWatch:
         if dead:
             raise WeightSyncError(
                 f"receiver rank {dead[0]} stopped responding (no heartbeat for {self.dead_after_s:.0f} s)",
-                peer=f"rank {dead[0]}", bucket=bucket,
+                peer=f"rank {dead[0]}", bucket=self.next_bucket(dead[0], bucket),
             )
+
+    def next_bucket(self, rank: int, default: int | None) -> int | None:
+        """The bucket ``rank`` was waiting for (it publishes ``got/<rank>`` after each one)."""
+        key = f"got/{rank}"
+        if self.store.check([key]):
+            return int(self.store.get(key)) + 1
+        return default
 
     def culprit(self, bucket: int | None, cause: BaseException, transport: str) -> WeightSyncError:
         """After a wire error: give the peers a few beats to show which one failed, then name it."""
@@ -183,6 +204,11 @@ class PeerWatch:
         for r in self.ranks:
             self.store.delete_key(f"failed/{r}")
         self.failures_seen = self.failures()
+
+
+def report_progress(store: dist.Store, rank: int, index: int) -> None:
+    """Receiver side: bucket ``index`` arrived (names the right bucket if this rank dies next)."""
+    store.set(f"got/{rank}", str(index))
 
 
 def report_failure(store: dist.Store, rank: int, reason: str) -> None:

@@ -75,18 +75,23 @@ def _make_group(kind: str, store: dist.Store, rank: int, world_size: int, timeou
     return ProcessGroupNCCL(store, rank, world_size, opts)
 
 
-def _drop_group(pg: Any) -> None:
-    """Abandon a group a failed update left in an unknown state (aborting pending collectives)."""
+#: Gloo groups left by failed updates. Aborting or destroying one blocks until its pending
+#: collectives time out, so they are parked here instead (their threads idle once those end).
+_abandoned: list[Any] = []
+
+
+def _drop_group(pg: Any, failed: bool = True) -> None:
+    """Let go of a group; after a failure, abandon it without waiting on its pending collectives."""
     if pg is None:
         return
-    for method in ("abort", "shutdown"):
-        fn = getattr(pg, method, None)
-        if fn is not None:
-            try:
-                fn()
-                return
-            except Exception:
-                logger.debug("%s() of an abandoned group failed", method, exc_info=True)
+    if failed and hasattr(pg, "abort") and type(pg).__name__ == "ProcessGroupNCCL":
+        try:
+            pg.abort()  # NCCL's abort is the designed way out of a stuck communicator
+        except Exception:
+            logger.debug("abort() of an abandoned NCCL group failed", exc_info=True)
+        return
+    if failed:
+        _abandoned.append(pg)
 
 
 class _BroadcastSender(TransportSender):
@@ -192,7 +197,24 @@ class _BroadcastSender(TransportSender):
     def end(self, manifest: WeightManifest) -> None:
         while self._inflight:
             self._wait_oldest()
-        self._kv.delete_key(f"update/{self._token}")
+        # A broadcast may travel through a tree of receivers: the sender's part can finish while a
+        # dead relay starves the others. Wait until every receiver says it has the whole update.
+        last = len(manifest.buckets) - 1
+        keys = [f"done/{self._token}/{r}" for r in range(1, self.world_size)]
+        try:
+            _store.poll(
+                lambda: bool(self._kv.check(keys)), timeout_s=self.timeout_s,
+                check=lambda: self._watch.check(last), peer="receivers", bucket=last,
+                on_timeout=lambda: WeightSyncError(
+                    f"{self.kind}: receivers did not confirm update v{manifest.version} within "
+                    f"{self.timeout_s:.0f} s", peer="receivers", bucket=last,
+                ),
+            )
+        except WeightSyncError:
+            self._broken = True
+            raise
+        for key in keys + [f"update/{self._token}"]:
+            self._kv.delete_key(key)
 
     def abort(self, reason: str) -> None:
         self._kv.set(f"abort/{self._token}", reason[:1000])
@@ -211,7 +233,7 @@ class _BroadcastSender(TransportSender):
 
     def close(self) -> None:
         pg, self._pg = self._pg, None
-        _drop_group(pg)
+        _drop_group(pg, failed=self._broken or bool(self._inflight))
         self._inflight.clear()
 
 
@@ -229,7 +251,7 @@ class _BroadcastReceiver(TransportReceiver):
         self._gen = 0
         self._token = ""
         self._last = -1
-        self._complete = False
+        self._failed = False
 
     def connect(self) -> None:
         opts = self.spec.options
@@ -259,21 +281,23 @@ class _BroadcastReceiver(TransportReceiver):
             raise WeightSyncError(f"{self.kind}: the trainer aborted the update: {reason}", peer=TRAINER, bucket=index)
 
     def begin(self, manifest: WeightManifest) -> None:
-        self._token, self._last, self._complete = manifest.session_id, -1, False
+        self._token, self._last = manifest.session_id, -1
         key = f"update/{self._token}"
         _store.poll(
             lambda: bool(self._kv.check([key])),
             timeout_s=self.timeout_s,
             check=lambda: self._check(0),
+            bucket=0,
             on_timeout=lambda: WeightSyncError(
                 f"{self.kind}: the trainer did not start update v{manifest.version} within {self.timeout_s:.0f} s",
                 peer=TRAINER, bucket=0,
             ),
         )
+        _store.report_progress(self._kv, self.rank, -1)
         gen = int(self._kv.get(key))
         if gen != self._gen or self._pg is None:
             _drop_group(self._pg)
-            self._pg = None
+            self._pg, self._failed = None, False
             self._gen = gen
             self._pg = self._join(gen)
 
@@ -283,6 +307,7 @@ class _BroadcastReceiver(TransportReceiver):
                 work.is_completed,
                 timeout_s=self.timeout_s,
                 check=lambda: self._check(index),
+                bucket=index,
                 on_timeout=lambda: WeightSyncError(
                     f"{self.kind}: rank {self.rank} received nothing for {self.timeout_s:.0f} s",
                     peer=TRAINER, bucket=index,
@@ -312,19 +337,23 @@ class _BroadcastReceiver(TransportReceiver):
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._wait(self._pg.broadcast([buf], opts), index)
         self._last = index
+        _store.report_progress(self._kv, self.rank, index)
         return header, buf
 
     def end(self, manifest: WeightManifest, ok: bool) -> None:
         if ok or self._last == len(manifest.buckets) - 1:
-            return  # the whole stream was read: the group is still in step
+            # The whole stream was read: the group is still in step.
+            self._kv.set(f"done/{self._token}/{self.rank}", "1")
+            return
         # Mid-stream failure: tell the sender now (it stops waiting for us) and leave the group;
         # the sender starts a new generation for the next update.
         _store.report_failure(self._kv, self.rank, f"update v{manifest.version} failed at bucket {self._last + 1}")
         _drop_group(self._pg)
         self._pg = None
+        self._failed = True
 
     def close(self) -> None:
-        _drop_group(self._pg)
+        _drop_group(self._pg, failed=self._failed)
         self._pg = None
         if self._beat is not None:
             self._beat.close()

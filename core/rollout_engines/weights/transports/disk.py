@@ -108,11 +108,13 @@ class DiskSender(TransportSender):
         self._prune()
 
     def _prune(self) -> None:
+        # Newest first by when the update completed; the update just written is always kept.
         complete = sorted(
-            (d for d in self.root.iterdir() if (d / MANIFEST).exists()), key=lambda d: (d.name, d.stat().st_mtime)
+            (d for d in self.root.iterdir() if (d / MANIFEST).exists() and d != self._dir),
+            key=lambda d: (d / MANIFEST).stat().st_mtime_ns, reverse=True,
         )
-        aborted = [d for d in self.root.iterdir() if (d / ABORT).exists()]
-        for old in complete[: -self.keep] + aborted:
+        aborted = [d for d in self.root.iterdir() if (d / ABORT).exists() and d != self._dir]
+        for old in complete[self.keep - 1 :] + aborted:
             shutil.rmtree(old, ignore_errors=True)
 
     def abort(self, reason: str) -> None:

@@ -54,9 +54,13 @@ class _Attached:
         self.buf.close()
 
     def unlink(self) -> None:
+        self.unlink_name(self.name)
+
+    @staticmethod
+    def unlink_name(name: str) -> None:
         import _posixshmem
 
-        _posixshmem.shm_unlink("/" + self.name)
+        _posixshmem.shm_unlink("/" + name)
 
 
 def _view(seg: shared_memory.SharedMemory | _Attached, nbytes: int) -> torch.Tensor:
@@ -196,6 +200,7 @@ class ShmReceiver(TransportReceiver):
 
     def begin(self, manifest: WeightManifest) -> None:
         self._token, self._last, self._used = manifest.session_id, -1, set()
+        _store.report_progress(self._kv, self.rank, -1)
 
     def _check(self, index: int) -> None:
         assert self._beat is not None
@@ -217,6 +222,7 @@ class ShmReceiver(TransportReceiver):
             lambda: bool(self._kv.check([key])),
             timeout_s=self.timeout_s,
             check=lambda: self._check(index),
+            bucket=index,
             on_timeout=lambda: WeightSyncError(
                 f"shm: rank {self.rank} got no bucket within {self.timeout_s:.0f} s", peer=TRAINER, bucket=index
             ),
@@ -235,6 +241,7 @@ class ShmReceiver(TransportReceiver):
         return header, _view(seg, header.nbytes)
 
     def release(self, index: int) -> None:
+        _store.report_progress(self._kv, self.rank, index)
         self._kv.set(f"{self._token}/ack/{index}/{self.rank}", "1")
 
     def end(self, manifest: WeightManifest, ok: bool) -> None:
@@ -245,16 +252,34 @@ class ShmReceiver(TransportReceiver):
             return
         if self._last != len(manifest.buckets) - 1:
             _store.report_failure(self._kv, self.rank, f"update v{manifest.version} failed at bucket {self._last + 1}")
-        trainer_gone = self._beat is not None and self._beat.error is not None
-        self._detach(unlink=trainer_gone)
+        self._detach()
 
-    def _detach(self, unlink: bool) -> None:
+    def _trainer_gone(self) -> bool:
+        if self._beat is not None and self._beat.error is not None:
+            return True
+        try:
+            self._kv.check(["alive"])
+            return False
+        except Exception:
+            return True
+
+    def _detach(self) -> None:
+        gone = self._kv is not None and self._trainer_gone()
         for seg in self._open.values():
-            _close(seg, unlink=unlink)
+            _close(seg, unlink=False)
+        if gone:
+            # A killed trainer cannot unlink its slots; its segments are numbered 1, 2, ... (a slot
+            # it made but we never opened included), so remove them here.
+            made = [int(n.rsplit("_", 1)[1]) for n in self._open]
+            for n in range(1, max(made, default=0) + 3):
+                try:
+                    _Attached.unlink_name(f"roe_{self.spec.session_id}_{n}")
+                except FileNotFoundError:
+                    pass
         self._open.clear()
 
     def close(self) -> None:
-        self._detach(unlink=self._beat is not None and self._beat.error is not None)
+        self._detach()
         if self._beat is not None:
             self._beat.close()
             self._beat = None

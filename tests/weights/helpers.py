@@ -1,0 +1,57 @@
+"""Shared pieces of the cross-process weight-sync tests (importable by spawned children)."""
+
+from __future__ import annotations
+
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import module_engine
+import torch
+from rollout_engines import EngineConfig, GenerateRequest, SamplingParams
+from rollout_engines.process import ProcessEngine
+from rollout_engines.weights.manifest import WeightManifest
+
+PROMPTS = GenerateRequest(prompt_token_ids=[[1], [2], [3], [5]], sampling=SamplingParams(temperature=0, max_tokens=6))
+#: Small buckets, so every update has several of them (the bigram model is ~12 KB).
+BUCKET = 4096
+
+
+def module_engine_process(mode: str = "staged") -> ProcessEngine:
+    return ProcessEngine(
+        EngineConfig(backend="module", model="bigram", options={"mode": mode}), factory="module_engine:ModuleEngine"
+    )
+
+
+async def outputs(engine: Any, request: GenerateRequest = PROMPTS) -> list[list[int]]:
+    return [c.token_ids for c in await engine.generate(request)]
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    return dict(module_engine.make_model(seed).state_dict())
+
+
+def trainer_main(conn: Connection, transport: str, world_size: int, timeout_s: float, options: dict[str, Any],
+                 seed: int, stall_after: int) -> None:
+    """A trainer in its own process: host the sender, stream one update, stall after
+    ``stall_after`` tensors (announcing it) so the test can kill this process mid-stream."""
+    from rollout_engines.plugins import get_registry
+    from rollout_engines.weights.session import WeightSync
+
+    cls = get_registry().transport(transport).load_sender()
+    sender = cls(session_id="killed-trainer", world_size=world_size, timeout_s=timeout_s, options=options)
+    conn.send(sender.spec_options())
+    sender.connect()
+    manifest = WeightManifest(**conn.recv())
+    named = list(state(seed).items())
+
+    def items():  # type: ignore[no-untyped-def]
+        for i, item in enumerate(named):
+            if i == stall_after:
+                conn.send("stalled")
+                time.sleep(600)
+            yield item
+
+    sync = WeightSync([], sender, transport=transport, bucket_bytes=BUCKET, timeout_s=timeout_s,
+                      checksum=manifest.checksum, progress=False)
+    sync._stream(manifest, items())
