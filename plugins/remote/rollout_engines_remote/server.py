@@ -141,6 +141,9 @@ class Limits:
             raise FieldError("sampling.temperature", "must be a finite number")
         if s.seed is not None and not -(2**63) <= s.seed < 2**63:
             raise FieldError("sampling.seed", "must fit in 64 bits: [-2**63, 2**63)")
+        for i, conversation in enumerate(req.messages or []):
+            if not conversation:
+                raise FieldError(f"messages.{i}", "a conversation needs at least one message")
         if req.batch_size * s.n > self.max_sequences:
             raise FieldError("sampling.n", f"batch size x n = {req.batch_size * s.n} exceeds this server's "
                              f"limit of {self.max_sequences} sequences per request; split the batch")
@@ -268,9 +271,12 @@ def create_app(
     max_sequences: int = DEFAULT_MAX_SEQUENCES,
     model_name: str | None = None,
     close_engine: bool = True,
+    close_timeout_s: float = 30.0,
+    exit_process_on_close_timeout: bool = False,
 ) -> Any:
     """The ASGI app serving ``engine``. With ``api_key`` every endpoint but ``/health`` needs
-    ``Authorization: Bearer <api_key>``. ``close_engine``: close the engine when the app shuts down."""
+    ``Authorization: Bearer <api_key>``. ``close_engine``: close the engine when the app shuts down,
+    waiting at most ``close_timeout_s`` for work it is still doing (then the process exits anyway)."""
     state = ServerState(engine, model_name or engine.config.model, max_sequences)
 
     @contextlib.asynccontextmanager
@@ -281,7 +287,16 @@ def create_app(
         with contextlib.suppress(Exception):
             await state.ingress.close()
         if close_engine:
-            await engine.close()
+            try:
+                await asyncio.wait_for(engine.close(), close_timeout_s)
+            except asyncio.TimeoutError:
+                logger.warning("the engine did not close within %.0f s; exiting without waiting for it",
+                               close_timeout_s)
+                if exit_process_on_close_timeout:
+                    # The engine's threads would keep the interpreter alive until their work ends;
+                    # every request is answered or aborted by now, so end the process here.
+                    logging.shutdown()
+                    os._exit(0)
 
     app = FastAPI(title="rollout-engines server", version="0.1.0", lifespan=lifespan,
                   responses={422: {"model": ErrorBody}, 409: {"model": ErrorBody}, 400: {"model": ErrorBody}})
@@ -548,13 +563,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info("starting a '%s' engine on %s", ns.backend, ns.model)
     engine = create_engine(ns.backend, model=ns.model, **options)
     app = create_app(engine, api_key=api_key, max_body_bytes=ns.max_body_bytes, max_bucket_bytes=ns.max_bucket_bytes,
-                     model_name=ns.served_model_name)
+                     model_name=ns.served_model_name, close_timeout_s=ns.grace_period,
+                     exit_process_on_close_timeout=True)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(), lifespan="on",
                             timeout_graceful_shutdown=ns.grace_period, access_log=False, backlog=4096,
                             limit_concurrency=None)
-    server = uvicorn.Server(config)
+    server = _graceful_server_class()(config)
     server.run()
+    logger.info("server stopped")
     return 0
+
+
+def _graceful_server_class() -> type:
+    import signal
+    import threading
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after its graceful shutdown, so the process dies of the signal;
+        a server that drained cleanly should exit 0 instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[no-untyped-def]
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ def test_oversized_body_is_413(thread_server):
         ("/generate", {"prompt_token_ids": [[1, 2]], "sampling": {"temprature": 0.5}}, "sampling.temprature"),
         ("/generate", {"prompt_token_ids": [[1, 99_999]]}, "prompt_token_ids"),
         ("/generate", {"prompt_token_ids": [[1]], "sampling": {"seed": 2**70}}, "sampling.seed"),
+        ("/generate", {"messages": [[]]}, "messages.0"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {"prompt": "hi", "stream": True}, "stream"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
