@@ -299,15 +299,20 @@ class EngineGroup(Engine):
         return best, self._waiters
 
     async def _wait(self, request: GenerateRequest, deadline: float | None) -> _Member:
+        """Queue, in arrival order, for a slot (or for a member to come back). A request woken but
+        beaten to the slot goes back to the front of its queue."""
         loop = asyncio.get_running_loop()
+        _, queue = self._pick(request)
+        front = False
         while True:
-            member, queue = self._pick(request)
-            if member is not None:
-                return member
             if self._closed:
                 raise EngineClosed("the engine group was closed while a request waited")
             fut: asyncio.Future[None] = loop.create_future()
-            queue.append(fut)
+            if front:
+                queue.appendleft(fut)
+            else:
+                queue.append(fut)
+            woken = False
             try:
                 if deadline is None:
                     await fut
@@ -316,6 +321,7 @@ class EngineGroup(Engine):
                     if left <= 0:
                         raise asyncio.TimeoutError
                     await asyncio.wait_for(fut, left)
+                woken = True
             except asyncio.TimeoutError:
                 serving = sum(m.serving for m in self._members)
                 raise EngineUnavailable(
@@ -326,19 +332,29 @@ class EngineGroup(Engine):
             finally:
                 if not fut.done():
                     fut.cancel()
-                try:
-                    queue.remove(fut)
-                except ValueError:
-                    pass
+                    try:
+                        queue.remove(fut)
+                    except ValueError:
+                        pass
+                elif not woken and not fut.cancelled():
+                    self._wake_one(queue)  # woken, then cancelled: hand the wake-up on
+            member, queue = self._pick(request)
+            if member is not None:
+                return member
+            front = True
+
+    def _wake_one(self, queue: deque[asyncio.Future[None]]) -> bool:
+        while queue:
+            fut = queue.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return True
+        return False
 
     def _release(self, m: _Member) -> None:
         # a freed slot goes to a request stuck to this member first, then to any request
-        for queue in (m.waiters, self._waiters):
-            while queue:
-                fut = queue.popleft()
-                if not fut.done():
-                    fut.set_result(None)
-                    return
+        if (m.waiters or self._waiters) and not self._wake_one(m.waiters):
+            self._wake_one(self._waiters)
 
     def _wake_all(self) -> None:
         for queue in [self._waiters, *(m.waiters for m in self._members)]:
@@ -355,8 +371,8 @@ class EngineGroup(Engine):
         if self._health_task is None and self.health_interval_s is not None:
             self._ensure_started()
         while True:
-            member, _ = self._pick(request)
-            if member is None:
+            member, queue = self._pick(request)
+            if member is None or queue:  # no slot, or requests queued ahead of this one
                 if deadline is None and self.wait_timeout_s is not None:
                     deadline = asyncio.get_running_loop().time() + self.wait_timeout_s
                 member = await self._wait(request, deadline)

@@ -43,6 +43,7 @@ class EchoEngine(Engine):
         super().__init__(EngineConfig(backend="echo", model=f"echo:{name}"))
         self.name, self.delay_s, self.workers = name, delay_s, workers
         self.served: Counter[str] = Counter()  # request tag -> times answered
+        self.order: list[str] = []  # request tags in the order they were answered
         self.calls = 0
         self.concurrent = 0
         self.max_concurrent = 0
@@ -113,6 +114,7 @@ class EchoEngine(Engine):
         self._alive()
         tag = request.session_id or "-"
         self.served[tag] += 1
+        self.order.append(tag)
         off = self.offset()
         n = request.sampling.max_tokens
         return [

@@ -91,6 +91,21 @@ async def test_backpressure_bounds_requests_in_flight_per_engine():
     assert sum(e.calls for e in engines) == 40
 
 
+async def test_waiting_requests_are_served_in_arrival_order_and_cancelling_one_loses_no_slot():
+    group, [engine] = group_of(1, delay_s=0.01, max_outstanding_per_engine=1)
+    tags = [f"r{i}" for i in range(8)]
+    tasks = []
+    for t in tags:
+        tasks.append(asyncio.ensure_future(group.generate(req(tag=t))))
+        await asyncio.sleep(0)  # arrive one after the other
+    tasks[3].cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[3], asyncio.CancelledError)
+    assert engine.order == [t for i, t in enumerate(tags) if i != 3]  # first come, first served
+    assert engine.max_concurrent == 1
+    assert (await group.info()).outstanding == 0
+
+
 async def test_waiting_past_the_timeout_raises_engine_unavailable():
     group, engines = group_of(1, delay_s=0.5, max_outstanding_per_engine=1, wait_timeout_s=0.05)
     results = await asyncio.gather(*(group.generate(req()) for _ in range(3)), return_exceptions=True)
