@@ -4,7 +4,9 @@
   instantly (:class:`InstantEngine`), so only the group's dispatch is measured; ``direct_per_s`` is
   the same loop calling one such engine directly, and ``overhead_us`` the difference per request.
   The ``*_yielding`` variants use engines that yield to the event loop once per request, so the
-  requests are truly concurrent (the router sees outstanding counts above zero).
+  requests are truly concurrent (the router sees outstanding counts above zero);
+  ``routed_per_s_backpressure`` the same with at most 2 requests in flight per engine, so most
+  requests go through the wait queue.
 - ``scaling``: rollout tokens/s of a group of 2 real engines divided by that of 1 (same prompts,
   one request per prompt, greedy, fixed length). ``--ray`` runs the engines as Ray actors (one
   process each); otherwise they share this process.
@@ -72,7 +74,7 @@ async def _drive(engine: Engine, requests: list[GenerateRequest], concurrency: i
 
 
 async def measure_router(
-    requests: int, concurrency: int, routing: str, engines: int, *, yields: bool = False
+    requests: int, concurrency: int, routing: str, engines: int, *, yields: bool = False, bound: int = 128
 ) -> dict[str, Any]:
     from ..group import EngineGroup
 
@@ -83,7 +85,7 @@ async def measure_router(
     ]
     direct = InstantEngine(yields)
     members = [InstantEngine(yields) for _ in range(engines)]
-    group = EngineGroup(members, routing=routing, max_outstanding_per_engine=128)  # type: ignore[arg-type]
+    group = EngineGroup(members, routing=routing, max_outstanding_per_engine=bound)  # type: ignore[arg-type]
     await _drive(group, batch[: min(2000, requests)], concurrency)  # warm up
     await _drive(direct, batch[: min(2000, requests)], concurrency)
     best_routed = best_direct = 0.0
@@ -148,6 +150,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["routed_per_s_yielding"] = yielding["routed_per_s"]
         out["direct_per_s_yielding"] = yielding["direct_per_s"]
         out["overhead_us_yielding"] = yielding["overhead_us"]
+        # at most 2 in flight per engine: with more callers than that, most requests wait in the queue
+        queued = await measure_router(args.requests, args.concurrency, args.routing, args.router_engines, yields=True, bound=2)
+        out["routed_per_s_backpressure"] = queued["routed_per_s"]
         out["target_routed_per_s"] = 20_000
         if not args.skip_scaling:
             out.update(await measure_scaling(args))
