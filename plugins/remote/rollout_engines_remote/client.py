@@ -7,7 +7,8 @@
 Options: ``url`` (else ``EngineConfig.model`` is the URL), ``server`` (``rollout`` | ``vllm`` |
 ``sglang``, default ``rollout``), ``api_key`` (else ``$ROLLOUT_ENGINES_API_KEY``), ``timeout_s``
 (per request, default 600), ``connect_timeout_s`` (10), ``retries`` (3, idempotent calls only),
-``backoff_s`` (0.2), ``max_connections`` (256).
+``backoff_s`` (0.2), ``max_connections`` (256), ``transports`` (declare only these of the server's
+weight transports, e.g. ``["http"]``).
 
 Capabilities are fetched from the server when the engine is created (a rollout-engines server
 declares its engine's; plain vLLM / SGLang servers get what their adapter can drive).
@@ -51,6 +52,9 @@ class RemoteEngine(Engine):
         self.adapter = make_adapter(self.server_kind, self.api, config)
         self.adapter.connect()
         self.capabilities = self.adapter.capabilities
+        if opts.get("transports") is not None:
+            keep = [t for t in self.capabilities.transports if t in set(opts["transports"])]
+            self.capabilities = self.capabilities.model_copy(update={"transports": tuple(keep)})
         self.weight_version = self.adapter.weight_version
 
     # ---- hooks ---------------------------------------------------------------------------------
