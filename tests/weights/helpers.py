@@ -55,3 +55,38 @@ def trainer_main(conn: Connection, transport: str, world_size: int, timeout_s: f
     sync = WeightSync([], sender, transport=transport, bucket_bytes=BUCKET, timeout_s=timeout_s,
                       checksum=manifest.checksum, progress=False)
     sync._stream(manifest, items())
+
+
+def tiny_state(path: str, noise: float = 0.0, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The tiny model's state dict as a trainer holds it, optionally perturbed."""
+    from transformers import AutoModelForCausalLM
+
+    sd = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).state_dict()
+    if noise:
+        gen = torch.Generator().manual_seed(seed)
+        sd = {k: v + noise * torch.randn(v.shape, generator=gen) for k, v in sd.items()}
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def tiny_trainer_main(conn: Connection, transport: str, world_size: int, timeout_s: float, path: str,
+                      stall_after: int) -> None:
+    """:func:`trainer_main` for the tiny transformers model."""
+    from rollout_engines.plugins import get_registry
+    from rollout_engines.weights.session import WeightSync
+
+    cls = get_registry().transport(transport).load_sender()
+    sender = cls(session_id="killed-tiny-trainer", world_size=world_size, timeout_s=timeout_s, options={})
+    conn.send(sender.spec_options())
+    sender.connect()
+    manifest = WeightManifest(**conn.recv())
+    named = list(tiny_state(path, noise=1.0).items())
+
+    def items():  # type: ignore[no-untyped-def]
+        for i, item in enumerate(named):
+            if i == stall_after:
+                conn.send("stalled")
+                time.sleep(600)
+            yield item
+
+    WeightSync([], sender, transport=transport, bucket_bytes=2**18, timeout_s=timeout_s,
+               checksum=manifest.checksum, progress=False)._stream(manifest, items())

@@ -15,11 +15,12 @@ the peers are still there:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -204,6 +205,17 @@ class PeerWatch:
         for r in self.ranks:
             self.store.delete_key(f"failed/{r}")
         self.failures_seen = self.failures()
+
+
+@contextlib.contextmanager
+def trainer_link(bucket: int | None) -> Iterator[None]:
+    """Receiver side: a store operation that fails means the trainer (its host) is gone."""
+    try:
+        yield
+    except WeightSyncError:
+        raise
+    except (RuntimeError, OSError) as exc:
+        raise WeightSyncError(f"lost the trainer's rendezvous store ({_short(exc)})", peer=TRAINER, bucket=bucket) from exc
 
 
 def report_progress(store: dist.Store, rank: int, index: int) -> None:

@@ -281,25 +281,26 @@ class _BroadcastReceiver(TransportReceiver):
             raise WeightSyncError(f"{self.kind}: the trainer aborted the update: {reason}", peer=TRAINER, bucket=index)
 
     def begin(self, manifest: WeightManifest) -> None:
-        self._token, self._last = manifest.session_id, -1
-        key = f"update/{self._token}"
-        _store.poll(
-            lambda: bool(self._kv.check([key])),
-            timeout_s=self.timeout_s,
-            check=lambda: self._check(0),
-            bucket=0,
-            on_timeout=lambda: WeightSyncError(
-                f"{self.kind}: the trainer did not start update v{manifest.version} within {self.timeout_s:.0f} s",
-                peer=TRAINER, bucket=0,
-            ),
-        )
-        _store.report_progress(self._kv, self.rank, -1)
-        gen = int(self._kv.get(key))
-        if gen != self._gen or self._pg is None:
-            _drop_group(self._pg)
-            self._pg, self._failed = None, False
-            self._gen = gen
-            self._pg = self._join(gen)
+        with _store.trainer_link(0):
+            self._token, self._last = manifest.session_id, -1
+            key = f"update/{self._token}"
+            _store.poll(
+                lambda: bool(self._kv.check([key])),
+                timeout_s=self.timeout_s,
+                check=lambda: self._check(0),
+                bucket=0,
+                on_timeout=lambda: WeightSyncError(
+                    f"{self.kind}: the trainer did not start update v{manifest.version} within {self.timeout_s:.0f} s",
+                    peer=TRAINER, bucket=0,
+                ),
+            )
+            _store.report_progress(self._kv, self.rank, -1)
+            gen = int(self._kv.get(key))
+            if gen != self._gen or self._pg is None:
+                _drop_group(self._pg)
+                self._pg, self._failed = None, False
+                self._gen = gen
+                self._pg = self._join(gen)
 
     def _wait(self, work: Any, index: int) -> None:
         try:
@@ -320,30 +321,32 @@ class _BroadcastReceiver(TransportReceiver):
             raise WeightSyncError(f"{self.kind}: broadcast failed: {_store._short(exc)}", peer=TRAINER, bucket=index) from exc
 
     def recv_bucket(self, index: int, nbytes: int) -> tuple[BucketHeader, torch.Tensor]:
-        opts = _opts(self.timeout_s)
-        head = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        self._wait(self._pg.broadcast([head], opts), index)
-        header = _decode(head)
-        if header.status == BucketHeader.ABORT:
-            key = f"abort/{self._token}"
-            if self._kv.check([key]):
-                header.reason = self._kv.get(key).decode(errors="replace")
-            return header, torch.empty(0, dtype=torch.uint8, device=self.device)
-        if header.index != index or header.nbytes != nbytes:
-            raise WeightSyncError(
-                f"{self.kind}: stream out of step: expected bucket {index} of {nbytes} bytes, "
-                f"got bucket {header.index} of {header.nbytes}", peer=TRAINER, bucket=index,
-            )
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self._wait(self._pg.broadcast([buf], opts), index)
-        self._last = index
-        _store.report_progress(self._kv, self.rank, index)
-        return header, buf
+        with _store.trainer_link(index):
+            opts = _opts(self.timeout_s)
+            head = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            self._wait(self._pg.broadcast([head], opts), index)
+            header = _decode(head)
+            if header.status == BucketHeader.ABORT:
+                key = f"abort/{self._token}"
+                if self._kv.check([key]):
+                    header.reason = self._kv.get(key).decode(errors="replace")
+                return header, torch.empty(0, dtype=torch.uint8, device=self.device)
+            if header.index != index or header.nbytes != nbytes:
+                raise WeightSyncError(
+                    f"{self.kind}: stream out of step: expected bucket {index} of {nbytes} bytes, "
+                    f"got bucket {header.index} of {header.nbytes}", peer=TRAINER, bucket=index,
+                )
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._wait(self._pg.broadcast([buf], opts), index)
+            self._last = index
+            _store.report_progress(self._kv, self.rank, index)
+            return header, buf
 
     def end(self, manifest: WeightManifest, ok: bool) -> None:
         if ok or self._last == len(manifest.buckets) - 1:
             # The whole stream was read: the group is still in step.
-            self._kv.set(f"done/{self._token}/{self.rank}", "1")
+            with _store.trainer_link(len(manifest.buckets) - 1):
+                self._kv.set(f"done/{self._token}/{self.rank}", "1")
             return
         # Mid-stream failure: tell the sender now (it stops waiting for us) and leave the group;
         # the sender starts a new generation for the next update.

@@ -44,8 +44,11 @@ class InprocSender(TransportSender):
 
     def abort(self, reason: str) -> None:
         for q in self._queues().values():
+            # A full queue is normal (the receiver is still applying); wait for a slot instead of
+            # dropping the abort, or the receiver would wait for the next bucket until its timeout.
             try:
-                q.put_nowait((BucketHeader(index=-1, nbytes=0, status=BucketHeader.ABORT, reason=reason), torch.empty(0)))
+                q.put((BucketHeader(index=-1, nbytes=0, status=BucketHeader.ABORT, reason=reason), torch.empty(0)),
+                      timeout=min(self.timeout_s, 10.0))
             except queue.Full:
                 pass
 

@@ -199,8 +199,9 @@ class ShmReceiver(TransportReceiver):
         self._beat = _store.Heartbeat(self.spec.options, self.spec.session_id, self.rank, self.timeout_s)
 
     def begin(self, manifest: WeightManifest) -> None:
-        self._token, self._last, self._used = manifest.session_id, -1, set()
-        _store.report_progress(self._kv, self.rank, -1)
+        with _store.trainer_link(0):
+            self._token, self._last, self._used = manifest.session_id, -1, set()
+            _store.report_progress(self._kv, self.rank, -1)
 
     def _check(self, index: int) -> None:
         assert self._beat is not None
@@ -217,32 +218,34 @@ class ShmReceiver(TransportReceiver):
         return seg
 
     def recv_bucket(self, index: int, nbytes: int) -> tuple[BucketHeader, torch.Tensor]:
-        key = f"{self._token}/ready/{index}"
-        _store.poll(
-            lambda: bool(self._kv.check([key])),
-            timeout_s=self.timeout_s,
-            check=lambda: self._check(index),
-            bucket=index,
-            on_timeout=lambda: WeightSyncError(
-                f"shm: rank {self.rank} got no bucket within {self.timeout_s:.0f} s", peer=TRAINER, bucket=index
-            ),
-        )
-        info = json.loads(self._kv.get(key))
-        segment, size = info.pop("segment"), info.pop("size")
-        header = BucketHeader(**info)
-        try:
-            seg = self._attach(segment)
-        except FileNotFoundError:
-            raise WeightSyncError(f"shm: segment {segment} is gone", peer=TRAINER, bucket=index) from None
-        if seg.size < min(size, header.nbytes):
-            raise WeightSyncError(f"shm: segment {segment} is smaller than the bucket", peer=TRAINER, bucket=index)
-        self._last = index
-        self._used.add(segment)
-        return header, _view(seg, header.nbytes)
+        with _store.trainer_link(index):
+            key = f"{self._token}/ready/{index}"
+            _store.poll(
+                lambda: bool(self._kv.check([key])),
+                timeout_s=self.timeout_s,
+                check=lambda: self._check(index),
+                bucket=index,
+                on_timeout=lambda: WeightSyncError(
+                    f"shm: rank {self.rank} got no bucket within {self.timeout_s:.0f} s", peer=TRAINER, bucket=index
+                ),
+            )
+            info = json.loads(self._kv.get(key))
+            segment, size = info.pop("segment"), info.pop("size")
+            header = BucketHeader(**info)
+            try:
+                seg = self._attach(segment)
+            except FileNotFoundError:
+                raise WeightSyncError(f"shm: segment {segment} is gone", peer=TRAINER, bucket=index) from None
+            if seg.size < min(size, header.nbytes):
+                raise WeightSyncError(f"shm: segment {segment} is smaller than the bucket", peer=TRAINER, bucket=index)
+            self._last = index
+            self._used.add(segment)
+            return header, _view(seg, header.nbytes)
 
     def release(self, index: int) -> None:
-        _store.report_progress(self._kv, self.rank, index)
-        self._kv.set(f"{self._token}/ack/{index}/{self.rank}", "1")
+        with _store.trainer_link(index):
+            _store.report_progress(self._kv, self.rank, index)
+            self._kv.set(f"{self._token}/ack/{index}/{self.rank}", "1")
 
     def end(self, manifest: WeightManifest, ok: bool) -> None:
         if ok:

@@ -1,0 +1,91 @@
+"""Manifest planning, checksums and bucket packing with real tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_engines.errors import ManifestMismatch, WeightSyncError
+from rollout_engines.weights.buckets import BucketHeader, alloc_bucket, bucket_views, checksum, pack_bucket
+from rollout_engines.weights.manifest import ALIGN, TensorSpec, plan_manifest, specs_of, validate_manifest
+from rollout_engines.weights.transports import _store
+from rollout_engines.weights.transports.broadcast import _decode, _encode
+
+
+def named() -> list[tuple[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    return [
+        ("a", torch.randn(100, 7)),
+        ("b", torch.randn(3).to(torch.bfloat16)),
+        ("c", torch.randint(0, 100, (5, 5), dtype=torch.int64)),
+        ("big", torch.randn(1000)),
+        ("d", torch.randn(1, 1, 3).half()),
+    ]
+
+
+def test_plan_bounds_buckets_and_aligns_offsets():
+    m = plan_manifest(specs_of(named()), version=3, bucket_bytes=3000)
+    assert m.total_bytes == sum(t.numel() * t.element_size() for _, t in named())
+    for b in m.buckets:
+        tensors = m.bucket_tensors(b.index)
+        # Bounded up to the alignment padding of the last tensor; a larger tensor gets its own bucket.
+        assert b.nbytes <= 3000 + ALIGN or len(tensors) == 1
+        assert all(t.offset % ALIGN == 0 for t in tensors)
+    assert [t.name for t in m.tensors] == [n for n, _ in named()]
+    assert len(m.buckets) >= 3
+
+
+def test_pack_then_views_round_trip_every_dtype():
+    items = named()
+    m = plan_manifest(specs_of(items), version=1, bucket_bytes=4096)
+    tensors = dict(items)
+    for b in m.buckets:
+        buf = pack_bucket(m, b.index, tensors, alloc_bucket(b.nbytes))
+        for name, view in bucket_views(buf, m.bucket_tensors(b.index)):
+            assert view.dtype == tensors[name].dtype and torch.equal(view, tensors[name])
+
+
+def test_pack_refuses_a_tensor_that_changed_since_planning():
+    items = named()
+    m = plan_manifest(specs_of(items), version=1)
+    tensors = dict(items) | {"a": torch.randn(7, 100)}
+    with pytest.raises(ValueError, match="changed since the manifest"):
+        pack_bucket(m, 0, tensors, alloc_bucket(m.buckets[0].nbytes))
+
+
+def test_checksum_detects_a_flipped_byte_and_odd_lengths():
+    buf = torch.randint(0, 256, (4096 + 5,), dtype=torch.uint8)
+    ref = checksum(buf)
+    assert checksum(buf.clone()) == ref
+    for pos in (0, 2000, 4096 + 4):
+        bad = buf.clone()
+        bad[pos] ^= 1
+        assert checksum(bad) != ref
+    assert checksum(buf, "none") == 0
+
+
+@pytest.mark.parametrize("value", [0, 1, -1, 2**63 - 1, -(2**63), 2**63 + 2**55, 12345678901234])
+def test_broadcast_header_carries_any_checksum(value):
+    header = BucketHeader(index=7, nbytes=1 << 40, checksum=value, status=0)
+    back = _decode(_encode(header, torch.device("cpu")))
+    assert (back.index, back.nbytes, back.checksum, back.status) == (7, 1 << 40, value, 0)
+
+
+def test_validate_lists_every_problem():
+    m = plan_manifest(specs_of(named()), version=4)
+    expected = {n: TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape)) for n, t in named()}
+    validate_manifest(m, expected)
+    expected["a"] = TensorSpec(name="a", dtype="float32", shape=(7, 100))
+    expected["c"] = TensorSpec(name="c", dtype="int32", shape=(5, 5))
+    del expected["d"]
+    with pytest.raises(ManifestMismatch) as info:
+        validate_manifest(m, expected)
+    text = str(info.value)
+    assert "'a': shape [100, 7]" in text and "'c': dtype int64" in text and "unknown tensor 'd'" in text
+
+
+def test_poll_times_out_with_the_callers_error_and_runs_checks():
+    checks = []
+    with pytest.raises(WeightSyncError, match="nothing came"):
+        _store.poll(lambda: False, timeout_s=1.2, check=lambda: checks.append(1),
+                    on_timeout=lambda: WeightSyncError("nothing came", peer="x", bucket=3))
+    assert len(checks) >= 2
