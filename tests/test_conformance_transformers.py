@@ -1,7 +1,6 @@
 """The embedded `transformers` backend against the conformance suite."""
 
 import pytest
-
 from rollout_engines import EngineConfig
 from rollout_engines.testing.conformance import BackendConformance
 

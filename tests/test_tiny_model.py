@@ -7,7 +7,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from rollout_engines.testing import tiny_model as tm
 
 pytestmark = pytest.mark.transformers

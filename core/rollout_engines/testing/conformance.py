@@ -34,6 +34,7 @@ Rules of the suite:
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import sys
 import tempfile
@@ -268,7 +269,7 @@ class GenerationTests(ConformanceBase):
         outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(5))))
         assert [c.prompt_index for c in outs] == list(range(len(prompt_ids)))
         assert all(c.sample_index == 0 for c in outs)
-        for c, p in zip(outs, prompt_ids):
+        for c, p in zip(outs, prompt_ids, strict=True):
             assert c.prompt_token_ids in ([], p)
             assert len(c.token_ids) == 5
             assert c.finish_reason == "length"
@@ -366,7 +367,7 @@ class GenerationTests(ConformanceBase):
             assert all(lp <= 1e-4 and lp > -1e4 for lp in c.logprobs)
         g = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(4, logprobs=0))))
         g2 = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(4, logprobs=0))))
-        for a, b in zip(g, g2):
+        for a, b in zip(g, g2, strict=True):
             assert a.logprobs is not None and b.logprobs is not None
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
         plain = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(4))))
@@ -378,14 +379,14 @@ class GenerationTests(ConformanceBase):
                  [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Count to three")]]
         outs = slot.run(engine.chat(GenerateRequest(messages=chats, sampling=greedy(6))))
         assert [c.prompt_index for c in outs] == [0, 1]
-        for c, chat in zip(outs, chats):
+        for c, chat in zip(outs, chats, strict=True):
             ids = tokenizer.apply_chat_template([m.model_dump() for m in chat], add_generation_prompt=True, tokenize=True)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
             assert c.prompt_token_ids in ([], ids)
             assert len(c.token_ids) == 6
-        direct = slot.run(engine.generate(GenerateRequest(prompt_token_ids=[
-            list(tokenizer.apply_chat_template([m.model_dump() for m in chats[0]], add_generation_prompt=True, tokenize=True))
-        ], sampling=greedy(6))))
+        first = tokenizer.apply_chat_template([m.model_dump() for m in chats[0]], add_generation_prompt=True, tokenize=True)
+        first = list(first["input_ids"] if hasattr(first, "keys") else first)  # transformers 5 returns a BatchEncoding
+        direct = slot.run(engine.generate(GenerateRequest(prompt_token_ids=[first], sampling=greedy(6))))
         assert direct[0].token_ids == outs[0].token_ids
 
     def test_bad_requests_raise_typed_errors(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
@@ -587,10 +588,15 @@ def run_conformance(
     config = EngineConfig(backend=backend, model=model, options=options or {})
     with tempfile.TemporaryDirectory(prefix="roe-conformance-") as tmp:
         root = Path(tmp)
-        (root / "pytest.ini").write_text("[pytest]\naddopts = -ra\n")
+        ini = "[pytest]\naddopts = -ra\n"
+        if importlib.util.find_spec("pytest_asyncio") is not None:  # silence its unset-scope warning
+            ini += "asyncio_default_fixture_loop_scope = function\n"
+        (root / "pytest.ini").write_text(ini)
         test_file = root / f"test_conformance_{backend.replace('-', '_')}.py"
         test_file.write_text(textwrap.dedent(_MODULE.format(config_json=config.model_dump_json())))
         args = [str(test_file), "-c", str(root / "pytest.ini"), "--rootdir", tmp, "-p", "no:cacheprovider",
+                # the CLI imported rollout_engines before pytest could hook assertion rewriting
+                "-W", "ignore::pytest.PytestAssertRewriteWarning",
                 *(extra_pytest_args or [])]
         # The generated module lives outside any package: let pytest import it by path.
         sys.path.insert(0, tmp)

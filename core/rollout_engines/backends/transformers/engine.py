@@ -39,7 +39,14 @@ from typing import Any, ClassVar, Literal, TypeVar
 import torch
 
 from ...engine import Capabilities, Engine
-from ...errors import EngineAsleep, EngineClosed, InvalidRequest, ManifestMismatch, WeightsInvalidated, WeightSyncError
+from ...errors import (
+    EngineAsleep,
+    EngineClosed,
+    InvalidRequest,
+    ManifestMismatch,
+    WeightsInvalidated,
+    WeightSyncError,
+)
 from ...types import Completion, EngineConfig, GenerateRequest
 from ...weights.manifest import TensorSpec, TransportSpec, WeightManifest
 from ...weights.receiver import StateDictTarget, WeightReceiver
@@ -161,6 +168,8 @@ class TransformersEngine(Engine):
         self._weights_state: Literal["live", "offloaded", "discarded"] = "live"
         self._invalid_reason: str | None = None
         self._model_version = 0
+        self.batches_run = 0  # batches and requests generated so far (requests / batches: merging)
+        self.requests_run = 0
 
         self._jobs: collections.deque[_GenerateJob | _CallJob | None] = collections.deque()
         self._cv = threading.Condition()
@@ -246,12 +255,14 @@ class TransformersEngine(Engine):
             run_batch(self.hf_model, self.tokenizer, rows, device=self.device, pad_id=self.pad_id,
                       shared=self._shared_generator)
             results = [[r.completion(self.tokenizer, self._model_version) for r in job.rows or ()] for job in ready]
+            self.batches_run += 1
+            self.requests_run += len(ready)
         except BaseException as exc:
             logger.exception("generation failed")
             for job in ready:
                 job.future.set_exception(exc)
             return
-        for job, completions in zip(ready, results):
+        for job, completions in zip(ready, results, strict=True):
             job.future.set_result(completions)
 
     def _check_worker_state(self) -> None:
@@ -410,6 +421,8 @@ class TransformersEngine(Engine):
             "max_model_len": self.max_model_len,
             "queued": len(self._jobs),
             "weights": self._weights_state,
+            "batches_run": self.batches_run,
+            "requests_run": self.requests_run,
         }
 
     async def _close(self) -> None:

@@ -160,7 +160,7 @@ def run_batch(
     while True:
         tokens, logprobs = sample(logits, params, [rows[i].generator for i in active], shared)
         keep: list[int] = []
-        for pos, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+        for pos, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=True)):
             row = rows[active[pos]]
             row.tokens.append(token)
             if row.params.logprobs is not None:
