@@ -131,7 +131,7 @@ async def test_killed_actor_loses_no_request_and_rejoins_with_the_latest_weights
             break
         await asyncio.sleep(0.25)
     assert group.member_stats()[0]["serving"], group.member_stats()[0]
-    assert rejoined == [7]
+    assert rejoined and set(rejoined) == {7}  # brought to the latest version (a failed try is retried)
     info = await victim.info()
     assert info.weight_version == 7 and victim.pid != pid  # a new process, at the latest version
     assert [c.token_ids for c in await victim.generate(probe)] == reference
