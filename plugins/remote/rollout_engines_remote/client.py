@@ -114,5 +114,14 @@ class RemoteEngine(Engine):
     async def health(self) -> bool:
         return not self.closed and await self.adapter.health()
 
+    @staticmethod
+    def generate_benchmark(args: Any) -> dict[str, Any]:
+        """``rollout-engines bench generate --backend remote``: starts a server of
+        ``args.served_backend`` (default ``transformers``) on ``args.model`` and runs the same batch
+        through it and in-process; ``ratio`` = remote tokens/s / in-process tokens/s."""
+        from .bench import generate_benchmark
+
+        return generate_benchmark(args)
+
     def _extra_info(self) -> dict[str, Any]:
         return {"url": self.url, "server": self.server_kind}

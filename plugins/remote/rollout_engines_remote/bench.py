@@ -1,0 +1,53 @@
+"""``rollout-engines bench generate --backend remote``: the same batch through a server (HTTP, JSON,
+another process) and through the same backend in-process, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("rollout_engines.remote.bench")
+
+
+def generate_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    from rollout_engines.bench.generate import batch, engine_tokens_per_s, options
+    from rollout_engines.factory import create_engine
+
+    from .launch import ServerProcess
+
+    served = getattr(args, "served_backend", None) or "transformers"
+    opts = options(args)
+    request = batch(args)
+    repeats = max(1, int(getattr(args, "repeats", 3)))
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerProcess(served, str(args.model), options=opts, log=Path(tmp) / "server.log")
+        with server:
+            async def both() -> tuple[float, float, int]:
+                remote = create_engine("remote", model=server.url)
+                direct = await asyncio.to_thread(create_engine, served, str(args.model), **opts)
+                try:
+                    await remote.generate(request)  # warm-up (and the connection pool)
+                    await direct.generate(request)
+                    best_remote = best_direct = 0.0
+                    tokens = 0
+                    # Alternating rounds: load from other processes hits both sides alike.
+                    for _ in range(repeats):
+                        tps, tokens = await engine_tokens_per_s(remote, request)
+                        best_remote = max(best_remote, tps)
+                        tps, _ = await engine_tokens_per_s(direct, request)
+                        best_direct = max(best_direct, tps)
+                    return best_remote, best_direct, tokens
+                finally:
+                    await remote.close()
+                    await direct.close()
+
+            remote_tps, direct_tps, tokens = asyncio.run(both())
+    return {
+        "backend": "remote", "served_backend": served, "prompts": args.prompts, "max_tokens": args.max_tokens,
+        "tokens": tokens, "tokens_per_s": round(remote_tps, 1), "direct_tokens_per_s": round(direct_tps, 1),
+        "ratio": round(remote_tps / direct_tps, 3) if direct_tps else None,
+    }
