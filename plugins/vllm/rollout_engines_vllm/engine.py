@@ -36,7 +36,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollout_engines.engine import Capabilities, Engine
 from rollout_engines.errors import (
     BackendNotInstalled,
-    CapabilityError,
     EngineClosed,
     EngineUnavailable,
     InvalidRequest,
@@ -117,6 +116,26 @@ def _filter_kwargs(fn: Callable[..., Any], **kwargs: Any) -> dict[str, Any]:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return kwargs
     return {k: v for k, v in kwargs.items() if k in params}
+
+
+def checkpoint_dtype(model: str) -> str | None:
+    """The dtype a local checkpoint was saved in (config.json), if it is a float dtype.
+
+    ``dtype="auto"`` means this dtype, as in the transformers engine (vLLM's own "auto" runs
+    float32 checkpoints in half precision), so pushing the checkpoint's own tensors just works.
+    """
+    import json
+    from pathlib import Path
+
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    for source in (data, data.get("text_config") or {}):
+        value = source.get("torch_dtype") or source.get("dtype")
+        if value in ("float32", "float16", "bfloat16"):
+            return str(value)
+    return None
 
 
 def _client_errors() -> tuple[type[BaseException], ...]:
@@ -242,7 +261,7 @@ class VllmEngine(Engine):
         kwargs.update(
             model=cfg.model,
             tokenizer=cfg.tokenizer or cfg.model,
-            dtype=cfg.dtype,
+            dtype=cfg.dtype if cfg.dtype != "auto" else (checkpoint_dtype(cfg.model) or "auto"),
             seed=cfg.seed,
             tensor_parallel_size=cfg.tensor_parallel_size,
             worker_extension_cls=WORKER_EXTENSION,
@@ -421,15 +440,19 @@ class VllmEngine(Engine):
     async def _sleep(self, level: int, tags: Sequence[str]) -> None:
         llm = self._llm
         wanted = set(tags)
-        if wanted == {"weights", "kv_cache"}:
-            await self._on_loop(lambda: llm.sleep(level))
-        elif wanted == {"kv_cache"} and level == 1 and hasattr(llm, "release_kv_cache_memory"):
+        if wanted == {"kv_cache"} and hasattr(llm, "release_kv_cache_memory"):
             await self._on_loop(llm.release_kv_cache_memory)
-        else:
-            raise CapabilityError(
-                f"vLLM cannot sleep tags {sorted(wanted)} alone at level {level}; sleep both "
-                "(tags=None) and wake them one at a time with wake_up(tags=[...])"
-            )
+            return
+        # vLLM's sleep releases weights and KV cache together; a single tag is had by waking the
+        # other one right away (it costs one offload round trip of what stays).
+        # Level 1 when the weights are to stay: level 2 would discard them.
+        await self._on_loop(lambda: llm.sleep(level if "weights" in wanted else 1))
+        keep = sorted({"weights", "kv_cache"} - wanted)
+        if keep:
+            await self._on_loop(lambda: llm.wake_up(tags=keep))
+            if "kv_cache" in keep:
+                # The KV cache came back empty: forget the prefixes it held.
+                await self._on_loop(llm.reset_prefix_cache)
 
     async def _wake_up(self, tags: Sequence[str]) -> None:
         llm = self._llm

@@ -54,6 +54,15 @@ async def both(engines, request):
     return [c.token_ids for c in vllm_out], [c.token_ids for c in hf_out], vllm_out, hf_out
 
 
+async def test_logprobs_agree(engines, request_):
+    """Runs first, on the checkpoint's weights."""
+    req = request_.model_copy(update={"sampling": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)})
+    vllm_out, hf_out = await asyncio.gather(*(e.generate(req) for e in engines))
+    for a, b in zip(vllm_out, hf_out):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
+
+
 async def test_same_tokens_before_and_after_the_same_push(engines, request_, tiny_model):
     vllm_tokens, hf_tokens, _, _ = await both(engines, request_)
     assert vllm_tokens == hf_tokens
@@ -72,11 +81,3 @@ async def test_same_tokens_before_and_after_the_same_push(engines, request_, tin
         assert back_vllm == back_hf == vllm_tokens
     finally:
         await sync.close()
-
-
-async def test_logprobs_agree(engines, request_):
-    req = request_.model_copy(update={"sampling": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)})
-    vllm_out, hf_out = await asyncio.gather(*(e.generate(req) for e in engines))
-    for a, b in zip(vllm_out, hf_out):
-        assert a.token_ids == b.token_ids
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)

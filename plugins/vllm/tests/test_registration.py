@@ -36,3 +36,12 @@ def test_unknown_option_types_fail_early(tiny_model):
 
     with pytest.raises(ValidationError, match="weight_apply_mode"):
         create_engine("vllm", model=str(tiny_model), weight_apply_mode="sometimes")
+
+
+def test_auto_dtype_is_the_checkpoint_dtype(tiny_model):
+    """vLLM's own "auto" would run the float32 tiny model in half precision, and then a push of the
+    checkpoint's own tensors would be rejected for their dtype."""
+    from rollout_engines_vllm.engine import checkpoint_dtype
+
+    assert checkpoint_dtype(str(tiny_model)) == "float32"
+    assert checkpoint_dtype("not/a/local/dir") is None
