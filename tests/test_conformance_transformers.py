@@ -11,3 +11,12 @@ class TestTransformersConformance(BackendConformance):
     @classmethod
     def engine_config(cls, tiny_model):
         return EngineConfig(backend="transformers", model=str(tiny_model), dtype="float32")
+
+
+@pytest.mark.transformers
+@pytest.mark.gpu
+class TestTransformersConformanceCuda(BackendConformance):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine_config(cls, tiny_model):
+        return EngineConfig(backend="transformers", model=str(tiny_model), dtype="float32", device="cuda")

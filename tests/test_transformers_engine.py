@@ -48,8 +48,8 @@ def engine(tiny_model: Path):
     asyncio.run(e.close())
 
 
-async def push(e: TransformersEngine, tensors, version: int, **kw) -> int:
-    sync = await connect_weight_sync([e], "inproc", timeout_s=60, **kw)
+async def push(e: TransformersEngine, tensors, version: int, transport: str = "inproc", **kw) -> int:
+    sync = await connect_weight_sync([e], transport, timeout_s=60, **kw)
     try:
         return await sync.push(tensors, version=version)
     finally:
@@ -260,7 +260,9 @@ async def test_close_fails_queued_requests_and_frees_the_model(engine: Transform
     assert engine.hf_model is None and not engine._worker.is_alive()
 
 
-def test_capabilities_on_cpu(engine: TransformersEngine) -> None:
+def test_capabilities_on_cpu(tiny_model: Path) -> None:
+    engine = create_engine("transformers", model=str(tiny_model), device="cpu")
+    asyncio.run(engine.close())
     caps = engine.capabilities
     assert {"inproc", "gloo", "shm", "disk"} <= set(caps.transports)
     assert not {"nccl", "cuda_ipc"} & set(caps.transports)
@@ -322,3 +324,32 @@ def test_sampler_logprobs_ignore_temperature_and_masks() -> None:
     # Same generators, same draws: a seeded row is reproducible.
     again, _ = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(3)], torch.Generator())
     assert torch.equal(tokens, again)
+
+
+@pytest.mark.gpu
+async def test_cuda_sleep_returns_gpu_memory(tiny_model: Path) -> None:
+    engine = create_engine("transformers", model=str(tiny_model), device="cuda")
+    try:
+        assert {"nccl", "cuda_ipc", "inproc", "gloo", "shm", "disk"} <= set(engine.capabilities.transports)
+        before = await engine.generate(GenerateRequest(prompts=PROMPTS, sampling=greedy(8, ignore_eos=True)))
+        weights = sum(p.numel() * p.element_size() for p in engine.hf_model.parameters())
+        torch.cuda.synchronize()
+        awake = torch.cuda.memory_allocated()
+        await engine.sleep(level=1)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= awake - 0.9 * weights
+        await engine.wake_up()
+        assert all(p.device.type == "cuda" for p in engine.hf_model.parameters())
+        after = await engine.generate(GenerateRequest(prompts=PROMPTS, sampling=greedy(8, ignore_eos=True)))
+        assert ids_of(after) == ids_of(before)
+        # Pushes through files (disk) and in-process (inproc) land in the GPU parameters.
+        original = load_checkpoint(tiny_model)
+        await push(engine, perturbed(original), 1, transport="disk")
+        changed = await engine.generate(GenerateRequest(prompts=PROMPTS, sampling=greedy(8, ignore_eos=True)))
+        assert ids_of(changed) != ids_of(before)
+        await push(engine, original, 2)
+        assert all(p.device.type == "cuda" for p in engine.hf_model.parameters())
+        restored = await engine.generate(GenerateRequest(prompts=PROMPTS, sampling=greedy(8, ignore_eos=True)))
+        assert ids_of(restored) == ids_of(before)
+    finally:
+        await engine.close()
