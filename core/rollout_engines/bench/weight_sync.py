@@ -1,0 +1,253 @@
+"""`rollout-engines bench weight-sync --transport T --size-mb N --tensors K --json`.
+
+A synthetic state dict of ``K`` float32 tensors totalling ``N`` MB is pushed, through the real
+trainer-side session (:func:`connect_weight_sync`), into ``R`` receiver processes. Each receiver
+is a :class:`ProcessEngine` hosting a :class:`WeightReceiver` that copies every tensor into a
+preallocated one of the same shape (as an engine's parameters). ``seconds`` is the best push of
+``--repeats`` (after one warm-up push that maps memory and builds groups), from the first byte
+packed to the last receiver done. ``gbps`` = payload bytes / seconds / 1e9.
+
+``baseline`` is measured in the same run: memcpy bandwidth (``torch`` copy between two warm
+buffers of the same size in this process) for the CPU transports and device-to-device copy for
+``cuda_ipc``/``nccl``. For ``gloo`` there is also ``raw_broadcast_gbps``: one flat buffer of the
+same size broadcast by a raw gloo group to the same number of receiver processes, and
+``ratio_vs_raw`` = gbps / raw_broadcast_gbps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import multiprocessing as mp
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..engine import Capabilities, Engine
+from ..types import Completion, EngineConfig, GenerateRequest
+from ..weights.manifest import TensorSpec, TransportSpec, WeightManifest
+
+GPU_TRANSPORTS = ("cuda_ipc", "nccl")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--transport", default="shm", help="gloo, shm, disk, inproc, cuda_ipc, nccl, ...")
+    parser.add_argument("--size-mb", type=float, default=1024.0, help="state dict size in MiB")
+    parser.add_argument("--tensors", type=int, default=320)
+    parser.add_argument("--receivers", type=int, default=1, help="receiver processes")
+    parser.add_argument("--bucket-mb", type=float, default=256.0)
+    parser.add_argument("--checksum", default="sum64", choices=["sum64", "none"])
+    parser.add_argument("--repeats", type=int, default=3, help="timed pushes (best counts), after one warm-up")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--path", default=None, help="directory for --transport disk (default: a temp dir)")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch intra-op threads in every benchmark process, baseline included (0: torch's default). "
+        "On a shared, oversubscribed CPU each parallel copy waits for descheduled threads; 1 is faster there",
+    )
+
+
+# ---- the receiving side ---------------------------------------------------------------------------
+class _Preallocated:
+    """WeightTarget: copies each received tensor into a preallocated one (an engine's parameters)."""
+
+    def __init__(self, specs: Sequence[TensorSpec], device: torch.device) -> None:
+        from ..weights.buckets import torch_dtype
+
+        self.specs = {s.name: s for s in specs}
+        self.tensors = {s.name: torch.zeros(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in specs}
+
+    def expected_specs(self) -> Mapping[str, TensorSpec]:
+        return self.specs
+
+    def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
+        for name, tensor in named:
+            self.tensors[name].copy_(tensor, non_blocking=True)
+
+
+class BenchReceiverEngine(Engine):
+    """The benchmark's receiver: an engine with nothing but a weight receiver (no generation)."""
+
+    backend_name = "bench-receiver"
+    capabilities = Capabilities(
+        generate=False, chat=False, transports=("inproc", "gloo", "nccl", "shm", "disk", "cuda_ipc")
+    )
+
+    def __init__(self, config: EngineConfig) -> None:
+        from ..weights.receiver import WeightReceiver
+
+        super().__init__(config)
+        if config.options.get("threads"):
+            torch.set_num_threads(int(config.options["threads"]))
+        specs = [TensorSpec(**s) for s in config.options["specs"]]
+        self.device = torch.device(config.device or "cpu")
+        self.target = _Preallocated(specs, self.device)
+        self.receiver = WeightReceiver(self.target, device=self.device, mode="inplace", label="bench receiver")
+
+    async def _generate(self, request: GenerateRequest) -> list[Completion]:
+        raise NotImplementedError("the benchmark receiver does not generate")
+
+    async def _init_weight_transfer(self, spec: TransportSpec) -> None:
+        await asyncio.to_thread(self.receiver.connect, spec)
+
+    async def _receive_weights(self, manifest: WeightManifest) -> None:
+        await asyncio.to_thread(self._receive, manifest)
+
+    def _receive(self, manifest: WeightManifest) -> None:
+        self.receiver.receive(manifest)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    async def _close(self) -> None:
+        self.receiver.close()
+
+
+# ---- baselines -----------------------------------------------------------------------------------
+def memcpy_gbps(nbytes: int, device: torch.device, repeats: int = 5) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def _raw_receiver(port: int, rank: int, world: int, nbytes: int, rounds: int, threads: int) -> None:
+    import torch.distributed as dist
+
+    if threads:
+        torch.set_num_threads(threads)
+    timeout = datetime.timedelta(seconds=600)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timeout)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("raw/", store), rank, world, timeout)
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    for _ in range(rounds):
+        pg.broadcast([buf], opts).wait()
+
+
+def raw_gloo_broadcast_gbps(nbytes: int, receivers: int, repeats: int, threads: int = 0) -> float:
+    """One flat buffer of ``nbytes`` broadcast over a plain gloo group to ``receivers`` processes."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=600)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    rounds = repeats + 1
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_raw_receiver, args=(store.port, r, receivers + 1, nbytes, rounds, threads))
+             for r in range(1, receivers + 1)]
+    for p in procs:
+        p.start()
+    try:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("raw/", store), 0, receivers + 1, timeout)
+        buf = torch.ones(nbytes, dtype=torch.uint8)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        best = float("inf")
+        for i in range(rounds):
+            # A barrier-free timing: the root's broadcast completes when every receiver has its data.
+            start = time.perf_counter()
+            pg.broadcast([buf], opts).wait()
+            if i:
+                best = min(best, time.perf_counter() - start)
+    finally:
+        for p in procs:
+            p.join(120)
+            if p.is_alive():
+                p.kill()
+    return nbytes / best / 1e9
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+def make_state(size_mb: float, tensors: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """``tensors`` float32 tensors of about equal size (a few shapes, like a transformer's)."""
+    total = int(size_mb * 2**20) // 4
+    per = max(1, total // tensors)
+    cols = 1024 if per >= 1024 else 1
+    rows = max(1, per // cols)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    out = {}
+    for i in range(tensors):
+        t = torch.randn(rows, cols, generator=gen)
+        out[f"model.layers.{i // 8}.block.{i % 8}.weight"] = t.to(device)
+    return out
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    from ..process import ProcessEngine
+    from ..weights.manifest import specs_of
+    from ..weights.session import connect_weight_sync
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gpu = args.transport in GPU_TRANSPORTS
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    state = make_state(args.size_mb, args.tensors, device)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    specs = [s.model_dump() for s in specs_of(list(state.items()))]
+    result: dict[str, Any] = {
+        "transport": args.transport, "bytes": nbytes, "tensors": len(state), "receivers": args.receivers,
+        "bucket_mb": args.bucket_mb, "checksum": args.checksum, "threads": args.threads or torch.get_num_threads(),
+    }
+    engines: list[Engine] = []
+    if args.transport == "inproc":
+        engines = [BenchReceiverEngine(EngineConfig(backend="bench-receiver", model="-", options={"specs": specs, "threads": args.threads}))]
+    else:
+        for i in range(args.receivers):
+            dev = f"cuda:{i % max(1, torch.cuda.device_count())}" if gpu else "cpu"
+            if args.transport == "cuda_ipc":
+                dev = "cuda:0"
+            engines.append(ProcessEngine(
+                EngineConfig(backend="bench-receiver", model="-", device=dev,
+                             options={"specs": specs, "threads": args.threads}),
+                factory="rollout_engines.bench.weight_sync:BenchReceiverEngine",
+            ))
+    options = {"path": args.path} if args.transport == "disk" and args.path else {}
+    try:
+        sync = await connect_weight_sync(
+            engines, args.transport, bucket_bytes=int(args.bucket_mb * 2**20), timeout_s=args.timeout,
+            checksum=args.checksum, options=options, progress=False,
+        )
+        times = []
+        for version in range(args.repeats + 1):
+            await sync.push(state, version=version + 1)
+            times.append(sync.last_push_seconds)
+        await sync.close()
+    finally:
+        for e in engines:
+            await e.close()
+    best = min(times[1:]) if len(times) > 1 else times[0]
+    gbps = nbytes / best / 1e9
+    baseline = memcpy_gbps(nbytes, device)
+    result.update(
+        seconds=round(best, 4), first_push_seconds=round(times[0], 4), gbps=round(gbps, 3),
+        baseline=round(baseline, 3), baseline_kind="device-to-device copy" if gpu else "memcpy",
+        ratio=round(gbps / baseline, 3), pushes=[round(t, 4) for t in times],
+    )
+    if args.transport == "gloo":
+        raw = raw_gloo_broadcast_gbps(nbytes, args.receivers, args.repeats, args.threads)
+        result.update(raw_broadcast_gbps=round(raw, 3), ratio_vs_raw=round(gbps / raw, 3))
+    return result
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    return asyncio.run(_run(args))
+
+
+if __name__ == "__main__":
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m rollout_engines.bench.weight_sync")
+    add_arguments(parser)
+    parser.add_argument("--json", action="store_true")
+    print(json.dumps(run(parser.parse_args())))
