@@ -201,6 +201,15 @@ class VllmEngine(Engine):
             gpu_ids = [int(physical[i]) if physical else i for i in logical]  # type: ignore[index]
         if gpu_ids is not None or opts.ray_bundle is not None:
             setup_device_env("vllm", gpu_ids=gpu_ids, ray_bundle=opts.ray_bundle)
+        tp = self.config.tensor_parallel_size
+        if tp > 1 and self._platform_guess() == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM's automatic binding wants one NUMA node per CPU worker and refuses to start
+            # otherwise; split this process's cores between the workers instead.
+            cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+            if len(cores) >= tp:
+                size = len(cores) // tp
+                groups = [cores[i * size:(i + 1) * size] for i in range(tp)]
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
         multiprocessing = opts.multiprocessing
         if multiprocessing is None and self._platform_guess() == "cpu":
             multiprocessing = False
