@@ -42,6 +42,7 @@ class RemoteEngine(Engine):
             raise ValueError(f"the remote backend needs a server URL (http://host:port) as model or options['url'], "
                              f"got '{url}'")
         self.url = url.rstrip("/")
+        self._reset_done = False
         self.server_kind = str(opts.get("server", "rollout"))
         self.api = ApiClient(
             self.url, api_key=opts.get("api_key") or os.environ.get(API_KEY_ENV),
@@ -66,8 +67,14 @@ class RemoteEngine(Engine):
 
     async def _wake_up(self, tags: Sequence[str]) -> None:
         await self.adapter.wake_up(tags)
+        self._reset_done = self.adapter.resets_itself
 
     async def _reset_prefix_cache(self) -> None:
+        # The core resets the prefix cache after wake-up and after every update; where the server
+        # side already did (an engine behind it runs the same core rule), one round trip is saved.
+        if self._reset_done:
+            self._reset_done = False
+            return
         await self.adapter.reset_prefix_cache()
 
     async def _pause(self) -> None:
@@ -81,12 +88,16 @@ class RemoteEngine(Engine):
 
     async def _receive_weights(self, manifest: WeightManifest) -> None:
         await self.adapter.receive_weights(manifest)
+        self._reset_done = self.adapter.resets_itself
 
     async def _close_weight_transfer(self) -> None:
         await self.adapter.close_weight_transfer()
 
     async def _close(self) -> None:
-        await self.api.aclose()
+        try:
+            await self.adapter.close()
+        finally:
+            await self.api.aclose()
 
     def weight_receivers(self) -> int:
         return self.adapter.weight_receivers

@@ -23,6 +23,8 @@ class ServerAdapter(abc.ABC):
     """
 
     kind: str = "?"
+    #: The server side resets its prefix cache after wake-up and weight updates by itself.
+    resets_itself: bool = False
 
     def __init__(self, api: ApiClient, config: EngineConfig) -> None:
         self.api, self.config = api, config
@@ -63,6 +65,9 @@ class ServerAdapter(abc.ABC):
 
     async def info(self) -> dict[str, Any]:
         return {}
+
+    async def close(self) -> None:
+        return None
 
     async def health(self) -> bool:
         try:

@@ -19,6 +19,7 @@ WEIGHT_MARGIN_S = 60.0
 
 class RolloutServerAdapter(ServerAdapter):
     kind = "rollout"
+    resets_itself = True
 
     def connect(self) -> None:
         info = self.api.get_sync("/info")
