@@ -126,7 +126,7 @@ class TransformersEngine(Engine):
 
         self.device = _pick_device(config)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise InvalidRequest(f"device '{self.device}' was asked for but CUDA is not available; use device='cpu'")
+            raise ValueError(f"device '{self.device}' was asked for but CUDA is not available; use device='cpu'")
         options = dict(config.options)
         self.max_batch_rows = int(options.pop("max_batch_rows", 256))
         apply_mode = options.pop("weight_apply_mode", "staged")
@@ -176,6 +176,13 @@ class TransformersEngine(Engine):
         self._worker = threading.Thread(target=self._work, name="roe-transformers", daemon=True)
         self._worker.start()
         logger.info("transformers engine on %s (%s): %s", self.device, self.dtype, config.model)
+
+    @staticmethod
+    def generate_benchmark(args: Any) -> dict[str, Any]:
+        """``rollout-engines bench generate``: this engine against ``model.generate`` (see :mod:`.bench`)."""
+        from .bench import generate_benchmark
+
+        return generate_benchmark(args)
 
     # ---- model facts -----------------------------------------------------------------------------
     def _eos_ids(self) -> frozenset[int]:
