@@ -194,3 +194,19 @@ async def test_no_stale_prefix_cache_after_push(engine, original, tiny_model):
     assert after != before
     await push(engine, original, v0 + 2)
     assert await tokens(engine, req) == before
+
+
+async def test_multiprocessing_mode_receives_too(tiny_model, original, request_):
+    """With VLLM_ENABLE_V1_MULTIPROCESSING=1 the worker runs in a third process (not in vLLM's
+    engine-core process); collective_rpc and the gloo group work the same."""
+    eng = await asyncio.to_thread(create_engine, "vllm", str(tiny_model), dtype="float32", multiprocessing=True)
+    try:
+        info = await eng.info()
+        assert info.extra["multiprocessing"] is True
+        before = await tokens(eng, request_)
+        await push(eng, update(str(tiny_model)), 1)
+        assert await tokens(eng, request_) != before
+        await push(eng, original, 2)
+        assert await tokens(eng, request_) == before
+    finally:
+        await eng.close()
