@@ -6,13 +6,15 @@ builds one from nothing:
 
 - random weights of a 2-layer :class:`~transformers.Qwen2ForCausalLM` (hidden 128, 4 heads, 2 KV
   heads, vocab 4096, tied embeddings), saved as float32 safetensors;
-- a byte-level BPE tokenizer trained with ``tokenizers`` on text generated here from a seeded
-  random generator (so the result does not depend on the Python version or the files on disk),
-  saved as a ``PreTrainedTokenizerFast`` with a ChatML chat template;
+- a byte-level BPE tokenizer (Qwen2's pre-tokenizer) trained with ``tokenizers`` on text
+  generated here from a seeded random generator (so the result does not depend on the Python
+  version or the files on disk), in the ``PreTrainedTokenizerFast`` layout with a ChatML chat
+  template;
 - ``generation_config.json`` naming the end-of-sequence tokens.
 
-The same seed gives byte-identical files. :func:`tiny_model_path` builds the model once into a
-cache folder and returns it; concurrent processes are safe (file lock plus an atomic rename).
+The same seed gives byte-identical files under transformers 4 and 5 (the JSON files are written
+here, not by ``save_pretrained``). :func:`tiny_model_path` builds the model once into a cache
+folder and returns it; concurrent processes are safe (file lock plus an atomic rename).
 """
 
 from __future__ import annotations
