@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from rollout_engines.envs import RAY_NOSET, RayBundle, setup_device_env
 
 

@@ -122,7 +122,6 @@ def run_push_benchmark(args: Any) -> dict[str, Any]:
     the greedy tokens do.
     """
     import torch
-
     from rollout_engines.factory import create_engine
     from rollout_engines.types import GenerateRequest, SamplingParams
     from rollout_engines.weights.checkpoint import load_checkpoint, perturbed

@@ -32,7 +32,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
-
 from rollout_engines.engine import Capabilities, Engine
 from rollout_engines.errors import (
     BackendNotInstalled,
@@ -407,7 +406,7 @@ class VllmEngine(Engine):
             ids = list(sample.token_ids)
             logprobs = None
             if s.logprobs is not None and sample.logprobs is not None:
-                logprobs = [float(step[tok].logprob) for tok, step in zip(ids, sample.logprobs)]
+                logprobs = [float(step[tok].logprob) for tok, step in zip(ids, sample.logprobs, strict=False)]
             reason = sample.finish_reason if sample.finish_reason in ("stop", "length") else "abort"
             result.append(
                 Completion(

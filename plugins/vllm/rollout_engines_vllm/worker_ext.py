@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-
 from rollout_engines.errors import ManifestMismatch, WeightsInvalidated, WeightSyncError
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest
 from rollout_engines.weights.receiver import WeightReceiver

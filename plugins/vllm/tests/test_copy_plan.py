@@ -4,7 +4,6 @@ tied embeddings, a dtype-converting loader) is learned once, then replayed by di
 from __future__ import annotations
 
 import torch
-
 from rollout_engines_vllm.copy_plan import record_copy_plan
 
 
@@ -55,7 +54,7 @@ def test_plan_replays_fused_copies_and_falls_back_for_conversions() -> None:
     fast = plan.apply(views, planned.load_weights)
     reference.load_weights(new)
     assert fast == 6
-    for (name, a), b in zip(planned.named_parameters(), reference.parameters()):
+    for (name, a), b in zip(planned.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(a, b), name
 
 

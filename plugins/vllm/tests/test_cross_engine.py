@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from rollout_engines import GenerateRequest, SamplingParams, create_engine
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
 from rollout_engines.weights.session import connect_weight_sync
@@ -58,7 +57,7 @@ async def test_logprobs_agree(engines, request_):
     """Runs first, on the checkpoint's weights."""
     req = request_.model_copy(update={"sampling": SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)})
     vllm_out, hf_out = await asyncio.gather(*(e.generate(req) for e in engines))
-    for a, b in zip(vllm_out, hf_out):
+    for a, b in zip(vllm_out, hf_out, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)
 

@@ -10,7 +10,6 @@ import asyncio
 
 import pytest
 import torch
-
 from rollout_engines import GenerateRequest, SamplingParams, create_engine
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
 from rollout_engines.weights.session import connect_weight_sync

@@ -31,7 +31,6 @@ def test_registered_without_importing_vllm_or_torch():
 
 def test_unknown_option_types_fail_early(tiny_model):
     from pydantic import ValidationError
-
     from rollout_engines import create_engine
 
     with pytest.raises(ValidationError, match="weight_apply_mode"):

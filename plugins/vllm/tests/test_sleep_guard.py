@@ -7,7 +7,6 @@ are not started (test_gpu_vllm.py runs the same rule with real engines on a GPU)
 from __future__ import annotations
 
 import pytest
-
 from rollout_engines import EngineConfig
 from rollout_engines.engine import Engine
 

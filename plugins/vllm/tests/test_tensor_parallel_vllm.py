@@ -11,7 +11,6 @@ import asyncio
 import os
 
 import pytest
-
 from rollout_engines import GenerateRequest, SamplingParams, create_engine
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
 from rollout_engines.weights.session import connect_weight_sync

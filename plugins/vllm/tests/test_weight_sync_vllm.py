@@ -13,13 +13,11 @@ import signal
 
 import pytest
 import torch
-
 from rollout_engines import GenerateRequest, SamplingParams, create_engine
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
 from rollout_engines.weights.checkpoint import load_checkpoint
 from rollout_engines.weights.manifest import TransportSpec, plan_manifest, specs_of
 from rollout_engines.weights.session import connect_weight_sync
-
 from trainer_proc import SESSION, trainer_main, update
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]

@@ -8,7 +8,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
 from rollout_engines.weights.manifest import WeightManifest
 
