@@ -1,0 +1,99 @@
+"""``cuda_ipc`` on a real GPU: a receiver process opens the trainer's bucket buffers by device UUID."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+
+import pytest
+import torch
+from rollout_engines.weights.manifest import TransportSpec, plan_manifest, specs_of
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+
+def receiver_main(conn, spec: dict, shapes: dict) -> None:
+    from rollout_engines.weights.manifest import WeightManifest
+    from rollout_engines.weights.receiver import WeightReceiver
+
+    class Params(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, shape in shapes.items():
+                self.register_parameter(name, torch.nn.Parameter(torch.zeros(shape, device="cuda:0")))
+
+    from rollout_engines.weights.receiver import StateDictTarget
+
+    module = Params()
+    receiver = WeightReceiver(StateDictTarget(module), device="cuda:0", mode="inplace")
+    receiver.connect(TransportSpec(**spec))
+    conn.send("connected")
+    while True:
+        manifest = conn.recv()
+        if manifest is None:
+            break
+        receiver.receive(WeightManifest(**manifest))
+        sums = {n: float(p.double().sum()) for n, p in module.named_parameters()}
+        conn.send((sums, receiver.transport.opened))
+    receiver.close()
+
+
+async def test_cuda_ipc_push_lands_whole_and_opens_each_slot_once():
+    from rollout_engines.plugins import get_registry
+    from rollout_engines.weights.session import WeightSync
+
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(256, 1024, device="cuda:0") for i in range(40)}  # 40 MiB
+    cls = get_registry().transport("cuda_ipc").load_sender()
+    sender = cls(session_id="ipc-test", world_size=2, timeout_s=60, options={})
+    spec = TransportSpec(transport="cuda_ipc", session_id="ipc-test", world_size=2, timeout_s=60,
+                         options=sender.spec_options())
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver_main, args=(child, spec.model_dump(), {n: tuple(t.shape) for n, t in state.items()}))
+    proc.start()
+    try:
+        sender.connect()
+        assert await asyncio.to_thread(conn.recv) == "connected"
+        sync = WeightSync([], sender, transport="cuda_ipc", bucket_bytes=4 * 2**20, timeout_s=60,
+                          checksum="sum64", progress=False)
+        for version, scale in ((1, 1.0), (2, -2.0)):
+            named = {n: t * scale for n, t in state.items()}
+            manifest = plan_manifest(specs_of(list(named.items())), version=version, bucket_bytes=4 * 2**20,
+                                     transport="cuda_ipc", timeout_s=60)
+            assert len(manifest.buckets) == 10
+            conn.send(manifest.model_dump())
+            await asyncio.to_thread(sync._stream, manifest, iter(named.items()))
+            sums, opened = await asyncio.to_thread(conn.recv)
+            for n, t in named.items():
+                assert sums[n] == pytest.approx(float(t.double().sum()), rel=1e-6, abs=1e-3)
+            assert opened == 2  # two slots, each opened once, across 20 buckets and 2 updates
+        conn.send(None)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        sender.close()
+
+
+@pytest.mark.transformers
+async def test_transformers_engine_on_gpu_receives_over_cuda_ipc(tiny_model):
+    from helpers import tiny_state
+    from rollout_engines import EngineConfig, GenerateRequest, SamplingParams
+    from rollout_engines.process import ProcessEngine
+    from rollout_engines.weights.session import connect_weight_sync
+
+    greedy = GenerateRequest(prompt_token_ids=[[5, 6, 7]], sampling=SamplingParams(temperature=0, max_tokens=8))
+    engine = ProcessEngine(EngineConfig(backend="transformers", model=str(tiny_model), dtype="float32", device="cuda:0"))
+    try:
+        before = [c.token_ids for c in await engine.generate(greedy)]
+        new = {k: v.cuda() for k, v in tiny_state(str(tiny_model), noise=1.0).items()}
+        orig = {k: v.cuda() for k, v in tiny_state(str(tiny_model)).items()}
+        sync = await connect_weight_sync([engine], "cuda_ipc", bucket_bytes=2**20, timeout_s=60)
+        await sync.push(new, version=1)
+        assert [c.token_ids for c in await engine.generate(greedy)] != before
+        await sync.push(orig, version=2)
+        assert [c.token_ids for c in await engine.generate(greedy)] == before
+        await sync.close()
+    finally:
+        await engine.close()
