@@ -105,7 +105,7 @@ class VllmOptions(BaseModel):
         default="keep", description="What pause() does to in-flight requests (vLLM's pause_generation mode)."
     )
     cache_root: str | None = Field(default=None, description="VLLM_CACHE_ROOT (compile caches).")
-    hf_offline: bool = Field(default=True, description="HF_HUB_OFFLINE=1 unless already set: local models.")
+    hf_offline: bool = Field(default=True, description="HF_HUB_OFFLINE=1 (unless set) when the model is a local directory.")
     log_stats: bool = False
 
 
@@ -187,8 +187,8 @@ class VllmEngine(Engine):
         from rollout_engines.envs import setup_device_env
 
         opts = self.options
-        if opts.hf_offline:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if opts.hf_offline and os.path.isdir(self.config.model):
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local model needs no hub lookups
         if opts.cache_root:
             os.environ["VLLM_CACHE_ROOT"] = opts.cache_root
         gpu_ids = opts.gpu_ids
@@ -277,9 +277,12 @@ class VllmEngine(Engine):
         )
         if cfg.max_model_len is not None:
             kwargs["max_model_len"] = cfg.max_model_len
+        executor = opts.distributed_executor_backend
+        if executor is None and opts.ray_bundle is not None:
+            executor = opts.ray_bundle.get("executor", "ray")  # as placed by setup_device_env
         if cfg.tensor_parallel_size > 1:
-            kwargs["distributed_executor_backend"] = opts.distributed_executor_backend or "mp"
-        elif opts.distributed_executor_backend == "ray":
+            kwargs["distributed_executor_backend"] = executor or "mp"
+        elif executor == "ray":
             kwargs["distributed_executor_backend"] = "ray"
         enforce_eager = opts.enforce_eager if opts.enforce_eager is not None else cpu
         if enforce_eager:
