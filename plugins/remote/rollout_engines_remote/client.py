@@ -25,7 +25,7 @@ from rollout_engines.types import Completion, EngineConfig, EngineInfo, Generate
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 
 from .adapters import make_adapter
-from .http import ApiClient
+from .api_client import ApiClient
 from .protocol import API_KEY_ENV
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rollout_engines.types import EngineConfig
 
-    from ..http import ApiClient
+    from ..api_client import ApiClient
     from .base import ServerAdapter
 
 KINDS = ("rollout", "vllm", "sglang")

@@ -11,7 +11,7 @@ from rollout_engines.errors import CapabilityError
 from rollout_engines.types import Completion, EngineConfig, GenerateRequest
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 
-from ..http import ApiClient
+from ..api_client import ApiClient
 
 
 class ServerAdapter(abc.ABC):

@@ -37,7 +37,7 @@ from rollout_engines.errors import BackendNotInstalled, CapabilityError, EngineU
 from rollout_engines.types import Completion, EngineConfig, GenerateRequest
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 
-from ..http import ApiClient
+from ..api_client import ApiClient
 from .base import ServerAdapter
 
 #: Transports a remote SGLang server receives over (see the module docstring).
