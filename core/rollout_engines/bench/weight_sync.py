@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import multiprocessing as mp
 import time
@@ -200,8 +201,14 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "bucket_mb": args.bucket_mb, "checksum": args.checksum, "threads": args.threads or torch.get_num_threads(),
     }
     engines: list[Engine] = []
+    servers = contextlib.ExitStack()
     if args.transport == "inproc":
         engines = [BenchReceiverEngine(EngineConfig(backend="bench-receiver", model="-", options={"specs": specs, "threads": args.threads}))]
+    elif args.transport == "http":
+        # One rollout-engines server per receiver (the remote plugin starts and stops them).
+        from rollout_engines_remote.bench import http_receivers
+
+        engines = servers.enter_context(http_receivers(specs, args.receivers, args.threads))
     else:
         for i in range(args.receivers):
             dev = f"cuda:{i % max(1, torch.cuda.device_count())}" if gpu else "cpu"
@@ -226,6 +233,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for e in engines:
             await e.close()
+        servers.close()
     best = min(times[1:]) if len(times) > 1 else times[0]
     gbps = nbytes / best / 1e9
     baseline = memcpy_gbps(nbytes, device)

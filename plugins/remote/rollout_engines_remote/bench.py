@@ -5,12 +5,37 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import logging
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("rollout_engines.remote.bench")
+
+
+@contextlib.contextmanager
+def http_receivers(specs: list[dict[str, Any]], receivers: int, threads: int) -> Iterator[list[Any]]:
+    """``bench weight-sync --transport http``: one server per receiver, each serving the benchmark's
+    receiver engine, and a ``remote`` engine for each (what the trainer pushes to)."""
+    from rollout_engines.factory import create_engine
+
+    from .launch import ServerProcess
+
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        servers = []
+        for i in range(receivers):
+            server = ServerProcess(
+                "bench-receiver", "-", log=tmp / f"server{i}.log",
+                options={"specs": json.dumps(specs, separators=(",", ":")), "threads": threads},
+                extra_args=["--factory", "rollout_engines.bench.weight_sync:BenchReceiverEngine",
+                            "--max-bucket-bytes", str(64 * 2**30)],
+            )
+            servers.append(stack.enter_context(server))
+        yield [create_engine("remote", model=s.url) for s in servers]
 
 
 def generate_benchmark(args: argparse.Namespace) -> dict[str, Any]:

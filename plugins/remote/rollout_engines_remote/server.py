@@ -537,6 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     p.add_argument("--option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
                    help="engine option (EngineConfig field or backend option); VALUE parsed as JSON when it can be")
+    p.add_argument("--factory", default=None, metavar="MODULE:CLASS",
+                   help="serve an engine class that is not a registered backend (tests, benchmarks)")
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: --model)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--max-bucket-bytes", type=int, default=DEFAULT_MAX_BUCKET_BYTES)
@@ -561,7 +563,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.warning("serving on %s without an API key: anyone who can reach this port can push weights", ns.host)
     options = dict(ns.option)
     logger.info("starting a '%s' engine on %s", ns.backend, ns.model)
-    engine = create_engine(ns.backend, model=ns.model, **options)
+    if ns.factory:
+        from rollout_engines.plugins import _import_target
+        from rollout_engines.types import EngineConfig
+
+        fields = set(EngineConfig.model_fields)
+        config = EngineConfig(backend=ns.backend, model=ns.model, **{k: v for k, v in options.items() if k in fields},
+                              options={k: v for k, v in options.items() if k not in fields})
+        engine = _import_target(ns.factory)(config)
+    else:
+        engine = create_engine(ns.backend, model=ns.model, **options)
     app = create_app(engine, api_key=api_key, max_body_bytes=ns.max_body_bytes, max_bucket_bytes=ns.max_bucket_bytes,
                      model_name=ns.served_model_name, close_timeout_s=ns.grace_period,
                      exit_process_on_close_timeout=True)

@@ -114,7 +114,9 @@ class VllmServerAdapter(ServerAdapter):
                 resp = c.post("/collective_rpc", json={"method": "roe_worker_info", "timeout": 20})
             if resp.status_code != 200:
                 return []
-            return worker_results(resp.json(), "roe_worker_info")
+            results = resp.json().get("results")
+            # roe_worker_info answers a plain dict per worker (no "ok" field).
+            return [r for r in results if isinstance(r, dict) and "pid" in r] if isinstance(results, list) else []
         except Exception:  # not started with the worker extension: no weight transports
             return []
 
@@ -127,6 +129,11 @@ class VllmServerAdapter(ServerAdapter):
             return [c for part in parts for c in part]
         prompt: Any = request.prompt_token_ids if request.prompt_token_ids is not None else request.prompts
         body = {"model": self.model, "prompt": prompt, **sampling_body(s)}
+        if s.n > 1 and s.temperature == 0:
+            # vLLM refuses n > 1 with greedy sampling; n identical greedy samples are the same
+            # prompt n times in a row (prompt-major, so choice i is still prompt i // n).
+            body["prompt"] = [p for p in prompt for _ in range(s.n)]
+            body["n"] = 1
         if s.logprobs is not None:
             body["logprobs"] = s.logprobs
         out = await self.api.request("POST", "/v1/completions", json=body)
@@ -149,10 +156,19 @@ class VllmServerAdapter(ServerAdapter):
         if s.logprobs is not None:
             body["logprobs"] = True
             body["top_logprobs"] = s.logprobs
-        out = await self.api.request("POST", "/v1/chat/completions", json=body)
-        prompt_ids = out.get("prompt_token_ids") or []
+        # vLLM refuses n > 1 with greedy sampling: then n identical requests with n = 1.
+        calls = s.n if s.n > 1 and s.temperature == 0 else 1
+        if calls > 1:
+            body["n"] = 1
+        outs = await asyncio.gather(*(self.api.request("POST", "/v1/chat/completions", json=body)
+                                      for _ in range(calls)))
+        if calls > 1:
+            choices = [{**o["choices"][0], "index": j} for j, o in enumerate(outs)]
+        else:
+            choices = sorted(outs[0]["choices"], key=lambda c: c["index"])
+        prompt_ids = outs[0].get("prompt_token_ids") or []
         completions = []
-        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+        for choice in choices:
             logprobs = None
             if s.logprobs is not None and choice.get("logprobs"):
                 logprobs = [float(t["logprob"]) for t in choice["logprobs"]["content"]]
