@@ -353,3 +353,18 @@ async def test_cuda_sleep_returns_gpu_memory(tiny_model: Path) -> None:
         assert ids_of(restored) == ids_of(before)
     finally:
         await engine.close()
+
+
+async def test_request_larger_than_a_batch_runs_in_slices(tiny_model: Path) -> None:
+    engine = create_engine("transformers", model=str(tiny_model), max_batch_rows=3)
+    try:
+        s = SamplingParams(temperature=1.0, max_tokens=5, seed=3, n=2, ignore_eos=True)
+        sliced = await engine.generate(GenerateRequest(prompts=PROMPTS, sampling=s))
+        assert [(c.prompt_index, c.sample_index) for c in sliced] == [(i, j) for i in range(4) for j in range(2)]
+    finally:
+        await engine.close()
+    whole = create_engine("transformers", model=str(tiny_model))
+    try:
+        assert ids_of(await whole.generate(GenerateRequest(prompts=PROMPTS, sampling=s))) == ids_of(sliced)
+    finally:
+        await whole.close()

@@ -259,8 +259,10 @@ class TransformersEngine(Engine):
             return
         rows = [r for job in ready for r in job.rows or ()]
         try:
-            run_batch(self.hf_model, self.tokenizer, rows, device=self.device, pad_id=self.pad_id,
-                      shared=self._shared_generator)
+            # A request larger than max_batch_rows runs in slices, which bounds activation and KV memory.
+            for start in range(0, len(rows), self.max_batch_rows):
+                run_batch(self.hf_model, self.tokenizer, rows[start:start + self.max_batch_rows], device=self.device,
+                          pad_id=self.pad_id, shared=self._shared_generator)
             results = [[r.completion(self.tokenizer, self._model_version) for r in job.rows or ()] for job in ready]
             self.batches_run += 1
             self.requests_run += len(ready)
@@ -333,9 +335,15 @@ class TransformersEngine(Engine):
                 for name, param in self._params.items():
                     if level == 1:
                         # On the CPU there is nowhere cheaper to put them: keep the storage aside.
-                        keep = param.data if self.device.type == "cpu" else param.data.to("cpu")
+                        if self.device.type == "cpu":
+                            keep = param.data
+                        else:  # pinned host memory: the copies back on wake-up run at full speed
+                            keep = torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
+                            keep.copy_(param.data, non_blocking=True)
                         self._offloaded[name] = keep
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the host copies are complete before anything reads them
             self._weights_state = "offloaded" if level == 1 else "discarded"
             if level >= 2:
                 self._invalid_reason = "weights were discarded by sleep(level=2) and not pushed again since"
@@ -352,10 +360,12 @@ class TransformersEngine(Engine):
         with torch.no_grad():
             for name, param in self._params.items():
                 if self._weights_state == "offloaded":
-                    param.data = self._offloaded.pop(name).to(self.device)
+                    param.data = self._offloaded[name].to(self.device, non_blocking=True)
                 else:  # discarded: memory back, values come with the next push
                     shape, dtype = self._shapes[name]
                     param.data = torch.zeros(shape, dtype=dtype, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # pinned sources must outlive their copies
         self._offloaded.clear()
         self._weights_state = "live"
 
