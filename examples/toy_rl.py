@@ -1,0 +1,132 @@
+"""A tiny REINFORCE loop whose reward rises only if the weight push really lands in the engine.
+
+    python examples/toy_rl.py                          # engine in this process (inproc)
+    python examples/toy_rl.py --transport shm          # engine in its own process
+    python examples/toy_rl.py --transport gloo --json
+    python examples/toy_rl.py --no-push                # control: the engine never learns
+
+The engine samples completions; the trainer (its own copy of the model, a torch optimizer)
+scores them with a verifiable reward (the fraction of output tokens equal to a target token),
+takes one policy-gradient step and pushes the new weights to the engine. Sampling happens only
+in the engine, so if the push did not arrive the reward would stay near zero: with
+``--no-push`` it does.
+
+The update is REINFORCE with reward-to-go (the reward is a sum over tokens, so each token is
+credited with the target tokens at or after it) and a per-position batch-mean baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+import torch
+from rollout_engines import EngineConfig, GenerateRequest, SamplingParams, connect_weight_sync, create_engine
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--transport", default="inproc", help="inproc (engine in this process), shm, gloo, disk")
+    p.add_argument("--model", default=None, help="model directory (default: the tiny test model)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=4, help="completions per prompt")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--target-token", type=int, default=None, help="default: the model's most likely token at start")
+    p.add_argument("--no-push", action="store_true", help="train but never push (the control run)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON summary last")
+    return p.parse_args(argv)
+
+
+def reinforce_loss(model: Any, prompts: list[list[int]], outs: list[Any], target: int) -> tuple[torch.Tensor, float]:
+    """Policy-gradient loss over the engine's samples, and their mean reward."""
+    seqs = [torch.tensor(prompts[o.prompt_index] + o.token_ids) for o in outs]
+    hits = [torch.tensor([float(t == target) for t in o.token_ids]) for o in outs]
+    rewards = [float(h.mean()) for h in hits]
+    # Reward-to-go per generated token (target hits at or after it, normalised like the reward).
+    togo = torch.stack([h.flip(0).cumsum(0).flip(0) / len(h) for h in hits])
+    advantage = togo - togo.mean(0, keepdim=True)
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+    logits = model(ids).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    n_gen = togo.shape[1]
+    starts = [len(prompts[o.prompt_index]) - 1 for o in outs]
+    gen_logp = torch.stack([logp[i, s : s + n_gen] for i, s in enumerate(starts)])
+    loss = -(advantage * gen_logp).sum(1).mean()
+    return loss, sum(rewards) / len(rewards)
+
+
+async def train(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    path = args.model
+    if path is None:
+        from rollout_engines.testing.tiny_model import tiny_model_path
+
+        path = str(tiny_model_path())
+    torch.manual_seed(args.seed)
+    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    trainer.train()
+    config = EngineConfig(backend="transformers", model=path, dtype="float32", device="cpu")
+    if args.transport == "inproc":
+        engine = create_engine(config)
+    else:
+        from rollout_engines.process import ProcessEngine
+
+        engine = ProcessEngine(config)
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = trainer.get_input_embeddings().weight.shape[0]
+    prompts = torch.randint(10, vocab - 10, (args.prompts, 6), generator=gen).tolist()
+    target = args.target_token
+    if target is None:  # the token the untrained model likes most: still rare (about 0.3 %)
+        with torch.no_grad():
+            target = int(trainer(torch.tensor(prompts)).logits[:, -1].softmax(-1).mean(0).argmax())
+    optimizer = torch.optim.Adam(trainer.parameters(), lr=args.lr)
+    sync = await connect_weight_sync([engine], args.transport)
+    rewards: list[float] = []
+    start = time.perf_counter()
+    try:
+        for step in range(args.steps):
+            request = GenerateRequest(
+                prompt_token_ids=prompts,
+                sampling=SamplingParams(temperature=1.0, max_tokens=args.max_tokens, n=args.samples,
+                                        ignore_eos=True, seed=args.seed * 100_003 + step),
+            )
+            outs = await engine.generate(request)
+            loss, reward = reinforce_loss(trainer, prompts, outs, target)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if not args.no_push:
+                await sync.push(trainer.state_dict(), version=step + 1)
+            rewards.append(reward)
+            if not args.json:
+                print(f"step {step:3d}  reward {reward:.3f}  engine v{outs[0].weight_version}", flush=True)
+    finally:
+        await sync.close()
+        await engine.close()
+    k = min(3, len(rewards))
+    return {
+        "transport": args.transport, "pushed": not args.no_push, "target_token": target, "steps": args.steps,
+        "first_reward": sum(rewards[:k]) / k, "last_reward": sum(rewards[-k:]) / k,
+        "rewards": [round(r, 4) for r in rewards], "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    summary = asyncio.run(train(args))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f} in {summary['seconds']} s")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""The toy RL example learns only when its weight pushes reach the engine."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.transformers, pytest.mark.timeout(300)]
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "toy_rl.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("toy_rl", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("transport", ["shm"])  # the engine runs in its own process
+def test_reward_rises_with_push_and_not_without(tiny_model, transport):
+    toy = load_example()
+    common = ["--model", str(tiny_model), "--transport", transport, "--steps", "13", "--json"]
+    learned = toy.main(common)
+    assert learned["first_reward"] < 0.05
+    assert learned["last_reward"] > 0.8, learned["rewards"]
+    control = toy.main([*common, "--no-push"])
+    assert control["last_reward"] < 0.05, control["rewards"]
