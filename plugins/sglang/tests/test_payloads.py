@@ -9,7 +9,6 @@ import pickle
 
 import pytest
 import torch
-
 from rollout_engines.weights.buckets import alloc_bucket, pack_bucket
 from rollout_engines.weights.manifest import plan_manifest, specs_of
 from rollout_engines_sglang import payloads

@@ -4,7 +4,6 @@ SGLang's outputs come back as the core's completions."""
 from __future__ import annotations
 
 import pytest
-
 from rollout_engines.errors import InvalidRequest
 from rollout_engines.types import GenerateRequest, SamplingParams
 from rollout_engines_sglang import translate

@@ -1,0 +1,182 @@
+"""SglangEngine's own logic over FakeSglangRuntime (SGLang needs CUDA; see the fake's docstring):
+sleep that releases weights is enforced by the core (WeightsInvalidated until a push), relayed and
+disk pushes reach SGLang as real payloads, and partial failures make the engine refuse to generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_engines.errors import (
+    CapabilityError,
+    EngineAsleep,
+    WeightsInvalidated,
+    WeightSyncError,
+)
+from rollout_engines.types import EngineConfig, GenerateRequest, SamplingParams
+from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
+from rollout_engines.weights.session import connect_weight_sync
+from rollout_engines_sglang.engine import SglangEngine
+from sglang_fake import FakeSglangRuntime
+
+GREEDY = GenerateRequest(prompt_token_ids=[[5, 6, 7], [9]], sampling=SamplingParams(temperature=0.0, max_tokens=4))
+
+
+def make(tiny_model, *, tp_size: int = 1, **options) -> tuple[SglangEngine, FakeSglangRuntime]:
+    fake = FakeSglangRuntime(tiny_model, tp_size=tp_size, cpu_backup=options.get("enable_weights_cpu_backup", False))
+    config = EngineConfig(
+        backend="sglang", model=str(tiny_model), dtype="float32", tensor_parallel_size=tp_size,
+        options={"relay_device": "cpu", **options},
+    )
+    return SglangEngine(config, runtime=fake), fake
+
+
+def checkpoint(tiny_model) -> dict[str, torch.Tensor]:
+    return load_checkpoint(tiny_model, dtype=torch.float32)
+
+
+async def push(engine: SglangEngine, tensors: dict[str, torch.Tensor], version: int, transport: str = "inproc",
+               **kw) -> int:
+    sync = await connect_weight_sync([engine], transport, **kw)
+    try:
+        return await sync.push(tensors, version=version)
+    finally:
+        await sync.close()
+
+
+def test_declared_capabilities(tiny_model) -> None:
+    engine, _ = make(tiny_model)
+    caps = engine.capabilities
+    assert caps.weights_kept_on_sleep is False and caps.sleep_levels == (1,)
+    assert set(caps.sleep_tags) == {"weights", "kv_cache"}
+    assert {"sglang_nccl", "cuda_ipc", "disk"} <= set(caps.transports)
+    assert caps.seed is False and caps.tensor_parallel
+    backed, _ = make(tiny_model, enable_weights_cpu_backup=True, enable_deterministic_inference=True)
+    assert backed.capabilities.weights_kept_on_sleep is True and backed.capabilities.seed is True
+    assert engine.weight_receivers() == 1
+
+
+async def test_sleeping_weights_refuses_generation_until_a_push(tiny_model) -> None:
+    engine, fake = make(tiny_model)
+    before = await engine.generate(GREEDY)
+    await engine.sleep()
+    assert fake.released == {"weights", "kv_cache"}
+    with pytest.raises(EngineAsleep):
+        await engine.generate(GREEDY)
+    await engine.wake_up()
+    assert fake.released == set()
+    # SGLang gave the memory back without the values: generating now would be garbage ...
+    assert fake.fingerprint() != before[0].token_ids[0] - sum(GREEDY.prompt_token_ids[0])
+    calls = len(fake.generate_calls)
+    with pytest.raises(WeightsInvalidated, match="Push a complete set of weights"):
+        await engine.generate(GREEDY)
+    assert len(fake.generate_calls) == calls  # ... and the core refused before reaching SGLang
+    assert (await engine.info()).healthy is False
+    assert await push(engine, checkpoint(tiny_model), version=3) == 3
+    after = await engine.generate(GREEDY)
+    assert [c.token_ids for c in after] == [c.token_ids for c in before]
+    assert all(c.weight_version == 3 for c in after) and (await engine.info()).healthy
+
+
+async def test_sleeping_only_the_kv_cache_keeps_weights(tiny_model) -> None:
+    engine, fake = make(tiny_model)
+    before = await engine.generate(GREEDY)
+    flushes = fake.flushes
+    await engine.sleep(tags=["kv_cache"])
+    await engine.wake_up()
+    assert fake.flushes == flushes + 1  # the prefix cache is reset after waking
+    assert [c.token_ids for c in await engine.generate(GREEDY)] == [c.token_ids for c in before]
+
+
+async def test_cpu_backup_keeps_weights_over_sleep(tiny_model) -> None:
+    engine, _ = make(tiny_model, enable_weights_cpu_backup=True)
+    before = await engine.generate(GREEDY)
+    await engine.sleep()
+    await engine.wake_up()
+    assert [c.token_ids for c in await engine.generate(GREEDY)] == [c.token_ids for c in before]
+
+
+async def test_relayed_push_reaches_every_tp_rank(tiny_model) -> None:
+    engine, fake = make(tiny_model, tp_size=2)
+    new = perturbed(checkpoint(tiny_model), seed=5)
+    flushes = fake.flushes
+    assert await push(engine, new, version=1, bucket_bytes=64 * 1024) == 1
+    assert len(fake.tensor_updates) > 1 and set(fake.tensor_updates) == {2}  # one payload per rank
+    for name, t in new.items():
+        assert torch.equal(fake.weights[name], t), name
+    assert fake.flushes == flushes + 1 and engine.weight_version == 1
+    comps = await engine.generate(GREEDY)
+    assert comps[0].weight_version == 1
+
+
+async def test_rejected_manifest_changes_nothing(tiny_model) -> None:
+    engine, fake = make(tiny_model)
+    bad = checkpoint(tiny_model)
+    bad["model.norm.weight"] = torch.ones(3)
+    bad["model.not_a_weight"] = torch.ones(2)
+    before = {n: t.clone() for n, t in fake.weights.items()}
+    with pytest.raises(WeightSyncError, match="rejected before applying anything"):
+        await push(engine, bad, version=1)
+    assert fake.tensor_updates == []
+    assert all(torch.equal(fake.weights[n], t) for n, t in before.items())
+    await engine.generate(GREEDY)  # still serving the old weights
+    assert engine.weight_version == 0
+
+
+async def test_update_failing_midway_refuses_generation_until_a_complete_push(tiny_model) -> None:
+    engine, fake = make(tiny_model)
+    fake.fail_update_at = 2
+    new = perturbed(checkpoint(tiny_model), seed=9)
+    # timeout_s: the trainer's sender notices the engine stopped reading after this long.
+    with pytest.raises(WeightSyncError, match="injected fault") as info:
+        await push(engine, new, version=1, bucket_bytes=64 * 1024, timeout_s=3)
+    ((_, engine_error),) = info.value.failures
+    assert isinstance(engine_error, WeightsInvalidated)
+    with pytest.raises(WeightsInvalidated):
+        await engine.generate(GREEDY)
+    assert engine.weight_version == 0
+    fake.fail_update_at = None
+    await push(engine, new, version=2, bucket_bytes=64 * 1024)
+    assert all(torch.equal(fake.weights[n], t) for n, t in new.items())
+    assert (await engine.generate(GREEDY))[0].weight_version == 2
+
+
+async def test_disk_push_loads_the_update_directory(tiny_model, tmp_path) -> None:
+    engine, fake = make(tiny_model)
+    new = perturbed(checkpoint(tiny_model), seed=11)
+    await push(engine, new, version=4, transport="disk", bucket_bytes=128 * 1024, options={"path": str(tmp_path)})
+    (path,) = fake.disk_updates
+    assert path.startswith(str(tmp_path)) and "v00000004" in path
+    assert all(torch.equal(fake.weights[n], t) for n, t in new.items())
+    assert (await engine.generate(GREEDY))[0].weight_version == 4
+    fake.fail_disk = True
+    with pytest.raises(WeightSyncError):
+        await push(engine, perturbed(new, seed=12), version=5, transport="disk", options={"path": str(tmp_path)})
+    with pytest.raises(WeightsInvalidated):
+        await engine.generate(GREEDY)
+
+
+async def test_request_features_and_controls(tiny_model) -> None:
+    engine, fake = make(tiny_model)
+    req = GenerateRequest(
+        prompts=["hello", "world"], sampling=SamplingParams(n=2, logprobs=0, max_tokens=3, stop=["x"], temperature=0.8)
+    )
+    comps = await engine.generate(req)
+    assert [(c.prompt_index, c.sample_index) for c in comps] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(c.logprobs == [-0.5] * 3 and len(c.token_ids) == 3 for c in comps)
+    sent = fake.generate_calls[-1]
+    assert len(sent["input_ids"]) == 4 and sent["return_logprob"] is True
+    assert sent["sampling_params"][0]["stop"] == ["x"]
+    assert comps[0].prompt_token_ids == fake.tokenizer.encode("hello")
+    chat = await engine.chat(GenerateRequest(messages=[[{"role": "user", "content": "hi"}]]))
+    assert len(chat) == 1 and chat[0].prompt_token_ids[-1] != fake.tokenizer.encode("hi")[-1]
+    with pytest.raises(CapabilityError, match="enable_deterministic_inference"):
+        await engine.generate(GenerateRequest(prompt_token_ids=[[1]], sampling=SamplingParams(seed=3)))
+    await engine.pause()
+    assert fake.paused and (await engine.info()).paused
+    await engine.resume()
+    assert not fake.paused
+    flushes = fake.flushes
+    await engine.reset_prefix_cache()
+    assert fake.flushes == flushes + 1
+    await engine.close()
+    assert fake.shut_down
