@@ -102,6 +102,10 @@ class BenchReceiverEngine(Engine):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _extra_info(self) -> dict[str, Any]:
+        total = sum(float(t.double().sum()) for t in self.target.tensors.values())
+        return {"checksum": total, "handles_opened": getattr(self.receiver.transport, "opened", None)}
+
     async def _close(self) -> None:
         self.receiver.close()
 
@@ -229,19 +233,25 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         for version in range(args.repeats + 1):
             await sync.push(state, version=version + 1)
             times.append(sync.last_push_seconds)
+        infos = [await e.info() for e in engines]
         await sync.close()
     finally:
         for e in engines:
             await e.close()
         servers.close()
+    expected = sum(float(t.double().sum()) for t in state.values())
+    verified = all(abs(i.extra["checksum"] - expected) <= 1e-6 * max(1.0, abs(expected)) for i in infos)
+    opened = [i.extra.get("handles_opened") for i in infos]
     best = min(times[1:]) if len(times) > 1 else times[0]
     gbps = nbytes / best / 1e9
     baseline = memcpy_gbps(nbytes, device)
     result.update(
         seconds=round(best, 4), first_push_seconds=round(times[0], 4), gbps=round(gbps, 3),
         baseline=round(baseline, 3), baseline_kind="device-to-device copy" if gpu else "memcpy",
-        ratio=round(gbps / baseline, 3), pushes=[round(t, 4) for t in times],
+        ratio=round(gbps / baseline, 3), pushes=[round(t, 4) for t in times], verified=verified,
     )
+    if any(o is not None for o in opened):
+        result["handles_opened"] = opened
     if args.transport == "gloo":
         raw = raw_gloo_broadcast_gbps(nbytes, args.receivers, args.repeats, args.threads)
         result.update(raw_broadcast_gbps=round(raw, 3), ratio_vs_raw=round(gbps / raw, 3))
