@@ -70,6 +70,41 @@ def layout(tp_sizes: dict[int, int]) -> tuple[dict[int, int], int]:
     return offsets, next_rank
 
 
+def publish_layout(kv: Any, engines: int, timeout_s: float) -> tuple[int, dict[int, int]]:
+    """Trainer side: wait for every engine's TP size, publish each one's real offset; returns
+    the world size and the TP sizes by session offset."""
+    keys = [f"tp/{offset}" for offset in range(1, engines + 1)]
+    try:
+        kv.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise WeightSyncError(
+            f"sglang_nccl: not every SGLang engine registered within {timeout_s:.0f} s ({exc}); "
+            "every receiver of this transport must be an SglangEngine", peer="receivers",
+        ) from exc
+    tp_sizes = {o: int(kv.get(f"tp/{o}")) for o in range(1, engines + 1)}
+    offsets, world = layout(tp_sizes)
+    for o, real in offsets.items():
+        kv.set(f"layout/{o}", f"{real},{world}")
+    return world, tp_sizes
+
+
+def collect_verdicts(kv: Any, manifest: WeightManifest, engines: int, timeout_s: float) -> None:
+    """Trainer side: wait until every engine validated ``manifest``; raise if any refused it."""
+    token = manifest.session_id
+    keys = [f"verdict/{token}/{o}" for o in range(1, engines + 1)]
+    try:
+        kv.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise WeightSyncError(
+            f"sglang_nccl: engines did not answer update v{manifest.version} within {timeout_s:.0f} s",
+            peer="receivers",
+        ) from exc
+    for o in range(1, engines + 1):
+        verdict = kv.get(f"verdict/{token}/{o}").decode()
+        if verdict != "ok":
+            raise WeightSyncError(f"sglang_nccl: engine at offset {o} refused update v{manifest.version}: {verdict}")
+
+
 class SglangNcclSender(TransportSender):
     """Trainer half: hosts the rendezvous, lays out the ranks, broadcasts compacted buckets.
 
@@ -107,18 +142,7 @@ class SglangNcclSender(TransportSender):
         return self._device
 
     def connect(self) -> None:
-        keys = [f"tp/{offset}" for offset in range(1, self._engines + 1)]
-        try:
-            self._kv.wait(keys, datetime.timedelta(seconds=self.timeout_s))
-        except Exception as exc:
-            raise WeightSyncError(
-                f"sglang_nccl: not every SGLang engine registered within {self.timeout_s:.0f} s ({exc}); "
-                "every receiver of this transport must be an SglangEngine", peer="receivers",
-            ) from exc
-        tp_sizes = {o: int(self._kv.get(f"tp/{o}")) for o in range(1, self._engines + 1)}
-        offsets, world = layout(tp_sizes)
-        for o, real in offsets.items():
-            self._kv.set(f"layout/{o}", f"{real},{world}")
+        world, tp_sizes = publish_layout(self._kv, self._engines, self.timeout_s)
         from sglang.srt.utils.common import init_custom_process_group
 
         torch.cuda.set_device(self._device)
@@ -135,21 +159,7 @@ class SglangNcclSender(TransportSender):
     def begin(self, manifest: WeightManifest) -> None:
         self._token = manifest.session_id
         self._placements = {b.index: manifest.bucket_tensors(b.index) for b in manifest.buckets}
-        keys = [f"verdict/{self._token}/{o}" for o in range(1, self._engines + 1)]
-        try:
-            self._kv.wait(keys, datetime.timedelta(seconds=self.timeout_s))
-        except Exception as exc:
-            raise WeightSyncError(
-                f"sglang_nccl: engines did not answer update v{manifest.version} within {self.timeout_s:.0f} s",
-                peer="receivers",
-            ) from exc
-        refused = [
-            (o, v) for o in range(1, self._engines + 1)
-            if (v := self._kv.get(f"verdict/{self._token}/{o}").decode()) != "ok"
-        ]
-        if refused:
-            o, reason = refused[0]
-            raise WeightSyncError(f"sglang_nccl: engine at offset {o} refused update v{manifest.version}: {reason}")
+        collect_verdicts(self._kv, manifest, self._engines, self.timeout_s)
 
     def send_bucket(self, header: BucketHeader, buf: torch.Tensor) -> None:
         # Go-ahead for this bucket: the engines call update_weights_from_distributed only now.

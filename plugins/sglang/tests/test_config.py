@@ -1,0 +1,33 @@
+"""EngineConfig -> sglang.Engine keyword arguments (pure)."""
+
+from __future__ import annotations
+
+import pytest
+from rollout_engines.types import EngineConfig
+from rollout_engines_sglang.engine import SglangOptions, capabilities_for, server_kwargs
+
+
+def test_config_fields_and_passthrough_options() -> None:
+    config = EngineConfig(
+        backend="sglang", model="/m", dtype="float32", seed=7, max_model_len=512, tensor_parallel_size=2,
+        device="cuda:3", options={"mem_fraction_static": 0.4, "disable_cuda_graph": True, "enable_deterministic_inference": True},
+    )
+    opts = SglangOptions.model_validate(config.options)
+    kw = server_kwargs(config, opts)
+    assert kw == {
+        "model_path": "/m", "tokenizer_path": "/m", "dtype": "float32", "random_seed": 7, "tp_size": 2,
+        "enable_memory_saver": True, "log_level": "error", "context_length": 512, "base_gpu_id": 3,
+        "mem_fraction_static": 0.4, "enable_deterministic_inference": True, "disable_cuda_graph": True,
+    }
+    assert capabilities_for(opts).seed is True
+    # Plugin-only options never reach SGLang.
+    opts = SglangOptions.model_validate({"relay_device": "cuda:1", "gpu_ids": [2, 3]})
+    kw = server_kwargs(EngineConfig(backend="sglang", model="/m"), opts)
+    assert "relay_device" not in kw and "gpu_ids" not in kw and "base_gpu_id" not in kw
+
+
+def test_cpu_device_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="use device='cuda'"):
+        server_kwargs(EngineConfig(backend="sglang", model="/m", device="cpu"), SglangOptions())
+    with pytest.raises(ValueError):
+        SglangOptions.model_validate({"mem_fraction_static": 1.5})
