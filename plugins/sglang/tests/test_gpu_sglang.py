@@ -1,0 +1,174 @@
+"""SGLang on CUDA GPUs (real SGLang 0.5.17; skipped where SGLang or a GPU is missing).
+
+The conformance suite runs against a real SGLang engine here; the rest is what only SGLang on a
+GPU can show: sleep releases weights (generation refused until a push, then the original outputs
+come back), every weight path (relayed CUDA IPC, disk, SGLang's own NCCL receive), small buckets
+not garbling weights (sglang#14178), greedy agreement with the transformers engine in float32,
+and tensor parallel 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from rollout_engines import EngineConfig, GenerateRequest, SamplingParams, create_engine
+from rollout_engines.errors import WeightsInvalidated
+from rollout_engines.testing.conformance import BackendConformance
+from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
+from rollout_engines.weights.session import connect_weight_sync
+
+pytestmark = [pytest.mark.sglang, pytest.mark.gpu, pytest.mark.timeout(900)]
+
+#: Small enough to share the GPU with a second engine in the same test.
+OPTIONS = {"mem_fraction_static": 0.25, "disable_cuda_graph": True}
+
+REQUEST = GenerateRequest(
+    prompt_token_ids=[[(i * 41) % 4000 + 10 for i in range(200)], [5, 6, 7, 8], [17] * 9],
+    sampling=SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+)
+
+
+def two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def tokens(engine, request=REQUEST):
+    return [c.token_ids for c in await engine.generate(request)]
+
+
+async def push(engine, tensors, version, transport, **kw):
+    sync = await connect_weight_sync([engine], transport, timeout_s=120, **kw)
+    try:
+        return await sync.push(tensors, version=version)
+    finally:
+        await sync.close()
+
+
+@pytest.mark.sglang
+@pytest.mark.gpu
+class TestSglangConformance(BackendConformance):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine_config(cls, tiny_model):
+        return EngineConfig(backend="sglang", model=str(tiny_model), dtype="float32", options=OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    eng = create_engine("sglang", model=str(tiny_model), dtype="float32", **OPTIONS)
+    yield eng
+    run(eng.close())
+
+
+@pytest.fixture(scope="module")
+def original(tiny_model):
+    return load_checkpoint(tiny_model, dtype=torch.float32)
+
+
+def test_sleep_releases_weights_and_a_push_brings_the_outputs_back(engine, original):
+    before = run(tokens(engine))
+    run(engine.sleep(tags=["weights", "kv_cache"]))
+    run(engine.wake_up())
+    with pytest.raises(WeightsInvalidated, match="Push a complete set of weights"):
+        run(tokens(engine))
+    run(push(engine, original, engine.weight_version + 1, "cuda_ipc"))
+    assert run(tokens(engine)) == before
+
+
+def test_kv_cache_only_sleep_keeps_weights(engine):
+    before = run(tokens(engine))
+    run(engine.sleep(tags=["kv_cache"]))
+    run(engine.wake_up())
+    assert run(tokens(engine)) == before
+
+
+@pytest.mark.parametrize("transport", ["cuda_ipc", "disk", "inproc"])
+def test_push_changes_then_restores_outputs(engine, original, transport, tmp_path):
+    kw = {"options": {"path": str(tmp_path)}} if transport == "disk" else {}
+    reference = run(tokens(engine))
+    v = engine.weight_version
+    run(push(engine, perturbed(original), v + 1, transport, **kw))
+    changed = run(engine.generate(REQUEST))
+    assert [c.token_ids for c in changed] != reference and all(c.weight_version == v + 1 for c in changed)
+    run(push(engine, original, v + 2, transport, **kw))
+    assert run(tokens(engine)) == reference
+
+
+@pytest.mark.parametrize("bucket_bytes", [4096, 65536 + 256])
+def test_small_buckets_do_not_garble_weights(engine, original, bucket_bytes):
+    """sglang#14178: updates split into many small buckets must load exactly what was sent."""
+    reference = run(tokens(engine))
+    v = engine.weight_version
+    run(push(engine, perturbed(original, seed=3), v + 1, "cuda_ipc", bucket_bytes=1 << 30))
+    one_bucket = run(tokens(engine))
+    run(push(engine, original, v + 2, "cuda_ipc", bucket_bytes=bucket_bytes))
+    assert run(tokens(engine)) == reference
+    run(push(engine, perturbed(original, seed=3), v + 3, "cuda_ipc", bucket_bytes=bucket_bytes))
+    assert run(tokens(engine)) == one_bucket
+    run(push(engine, original, v + 4, "cuda_ipc"))
+
+
+def test_greedy_agrees_with_the_transformers_engine(engine, tiny_model):
+    hf = create_engine("transformers", model=str(tiny_model), dtype="float32", device="cuda")
+    try:
+        ours, theirs = run(engine.generate(REQUEST)), run(hf.generate(REQUEST))
+        assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+        req = REQUEST.model_copy(update={"sampling": REQUEST.sampling.model_copy(update={"logprobs": 0})})
+        a, b = run(engine.generate(req)), run(hf.generate(req))
+        for x, y in zip(a, b, strict=True):
+            assert x.token_ids == y.token_ids
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-2
+    finally:
+        run(hf.close())
+
+
+@pytest.mark.skipif(not two_gpus(), reason="sglang_nccl needs the trainer and the engine on different GPUs")
+@pytest.mark.parametrize("bucket_bytes", [4096, 1 << 28])
+def test_sglang_nccl_push_from_another_gpu(tiny_model, original, bucket_bytes):
+    eng = create_engine("sglang", model=str(tiny_model), dtype="float32", device="cuda:1", **OPTIONS)
+    try:
+        reference = run(tokens(eng))
+        torch.cuda.set_device(0)
+        on_gpu0 = {n: t.to("cuda:0") for n, t in original.items()}
+        changed = {n: t.to("cuda:0") for n, t in perturbed(original).items()}
+
+        async def go():
+            sync = await connect_weight_sync([eng], "sglang_nccl", timeout_s=120, bucket_bytes=bucket_bytes)
+            try:
+                await sync.push(changed, version=1)
+                mid = await tokens(eng)
+                await sync.push(on_gpu0, version=2)  # the same group, a second update
+                return mid, await tokens(eng)
+            finally:
+                await sync.close()
+
+        mid, after = run(go())
+        assert mid != reference and after == reference and eng.weight_version == 2
+    finally:
+        run(eng.close())
+
+
+@pytest.mark.skipif(not two_gpus(), reason="tensor parallel 2 needs 2 GPUs")
+def test_tensor_parallel_2_pushes_reach_both_ranks(tiny_model, original):
+    eng = create_engine("sglang", model=str(tiny_model), dtype="float32", tensor_parallel_size=2, **OPTIONS)
+    try:
+        assert run(eng.info()).extra["tp_size"] == 2
+        reference = run(tokens(eng))
+        run(push(eng, perturbed(original), 1, "cuda_ipc"))
+        assert run(tokens(eng)) != reference
+        run(push(eng, original, 2, "cuda_ipc", bucket_bytes=4096))
+        assert run(tokens(eng)) == reference
+        run(eng.sleep())
+        run(eng.wake_up())
+        with pytest.raises(WeightsInvalidated):
+            run(tokens(eng))
+        run(push(eng, original, 3, "cuda_ipc"))
+        assert run(tokens(eng)) == reference
+    finally:
+        run(eng.close())
