@@ -110,7 +110,7 @@ class RemoteEngine(Engine):
             return local
         served = await self.adapter.info()
         if not served:
-            return local.model_copy(update={"extra": {"url": self.url, "server": self.server_kind}})
+            return local.model_copy(update={"extra": {"url": self.url, "server_kind": self.server_kind}})
         self.weight_version = int(served.get("weight_version", self.weight_version))
         return local.model_copy(update={
             "weight_version": self.weight_version,
@@ -118,8 +118,9 @@ class RemoteEngine(Engine):
             "paused": bool(served.get("paused", local.paused)),
             "outstanding": int(served.get("outstanding", local.outstanding)),
             "healthy": local.healthy and bool(served.get("healthy", True)),
-            "extra": {"url": self.url, "server": self.server_kind, "served_backend": served.get("backend"),
-                      "served": served.get("extra", {})},
+            # The served engine's own extra (device, queue, ...) plus where it is served from.
+            "extra": {**dict(served.get("extra") or {}), "url": self.url, "server_kind": self.server_kind,
+                      "served_backend": served.get("backend")},
         })
 
     async def health(self) -> bool:
@@ -135,4 +136,4 @@ class RemoteEngine(Engine):
         return generate_benchmark(args)
 
     def _extra_info(self) -> dict[str, Any]:
-        return {"url": self.url, "server": self.server_kind}
+        return {"url": self.url, "server_kind": self.server_kind}

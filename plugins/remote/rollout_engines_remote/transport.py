@@ -77,7 +77,7 @@ def parse_frame_header(raw: bytes) -> tuple[dict[str, str], int]:
     return {str(k): str(v) for k, v in meta.items()}, nbytes
 
 
-def frame_chunks(buf: torch.Tensor, chunk: int = 4 * 2**20) -> Iterator[memoryview]:
+def frame_chunks(buf: torch.Tensor, chunk: int = 2**20) -> Iterator[memoryview]:
     view = memoryview(buf.numpy()).cast("B")
     for start in range(0, len(view), chunk):
         yield view[start : start + chunk]
@@ -118,7 +118,7 @@ def unregister_endpoint(session_id: str, url: str) -> None:
 class HttpSender(TransportSender):
     """Streams buckets to every server of the session (one POST per bucket and server).
 
-    Options: ``connect_timeout_s`` (default 10), ``chunk_bytes`` (request body chunk, default 4 MiB).
+    Options: ``connect_timeout_s`` (default 10), ``chunk_bytes`` (request body chunk, default 1 MiB: h11 copies each chunk once more).
     """
 
     name: ClassVar[str] = "http"
@@ -158,7 +158,7 @@ class HttpSender(TransportSender):
         self._inflight = []
 
     def _post(self, endpoint: Endpoint, index: int, prefix: bytes, buf: torch.Tensor) -> None:
-        chunk = int(self.options.get("chunk_bytes", 4 * 2**20))
+        chunk = int(self.options.get("chunk_bytes", 2**20))
 
         def body() -> Iterator[bytes | memoryview]:
             yield prefix
