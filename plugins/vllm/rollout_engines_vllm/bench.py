@@ -110,6 +110,8 @@ def run_generate_benchmark(engine_cls: Any, args: Any) -> dict[str, Any]:
         "median_direct_tokens_per_s": round(statistics.median(rates["direct"]), 1),
         "median_ratio": round(statistics.median(rates["engine"]) / statistics.median(rates["direct"]), 4),
         "stat": f"best of {rounds} alternating rounds",
+        "rounds_tokens_per_s": [round(x) for x in rates["engine"]],
+        "rounds_direct_tokens_per_s": [round(x) for x in rates["direct"]],
     }
 
 
