@@ -66,8 +66,7 @@ class _Preallocated:
         return self.specs
 
     def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
-        for name, tensor in named:
-            self.tensors[name].copy_(tensor, non_blocking=True)
+        torch._foreach_copy_([self.tensors[n] for n, _ in named], [t for _, t in named], non_blocking=True)
 
 
 class BenchReceiverEngine(Engine):

@@ -62,6 +62,7 @@ def pack_bucket(
     """Copy the bucket's tensors into ``out`` (a uint8 buffer of at least the bucket's size)."""
     nbytes = manifest.buckets[index].nbytes
     buf = out[:nbytes]
+    dsts, srcs = [], []
     for name, view in bucket_views(buf, manifest.bucket_tensors(index)):
         src = tensors[name]
         if src.dtype != view.dtype or tuple(src.shape) != tuple(view.shape):
@@ -69,7 +70,10 @@ def pack_bucket(
                 f"tensor '{name}' changed since the manifest was made: "
                 f"{src.dtype}{tuple(src.shape)} vs {view.dtype}{tuple(view.shape)}"
             )
-        view.copy_(src, non_blocking=True)
+        dsts.append(view)
+        srcs.append(src)
+    # One multi-tensor copy per bucket: per-bucket, not per-tensor, launch cost on a GPU.
+    torch._foreach_copy_(dsts, srcs, non_blocking=True)
     return buf
 
 

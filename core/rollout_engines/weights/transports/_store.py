@@ -89,7 +89,7 @@ def poll(
     second; past the timeout ``on_timeout()`` is raised. A broken store connection (its host,
     ``peer``, is gone) becomes a :class:`WeightSyncError` too."""
     start = time.monotonic()
-    deadline, next_check, nap = start + timeout_s, start + CHECK_EVERY_S, 2e-5
+    deadline, next_check, nap = start + timeout_s, start + CHECK_EVERY_S, 1e-5
     try:
         while not done():
             now = time.monotonic()
@@ -99,7 +99,9 @@ def poll(
             if now >= deadline:
                 raise on_timeout()
             time.sleep(nap)
-            nap = min(nap * 2, 2e-3)
+            # Short naps while the wait is young (a GPU bucket takes well under a millisecond),
+            # then back off so a long wait costs no CPU.
+            nap = min(nap * 2, 2e-4 if now - start < 0.05 else 2e-3)
     except WeightSyncError:
         raise
     except Exception as exc:
