@@ -208,3 +208,25 @@ async def test_multiprocessing_mode_receives_too(tiny_model, original, request_)
         assert await tokens(eng, request_) == before
     finally:
         await eng.close()
+
+
+async def test_pause_push_resume_keeps_in_flight_requests(engine, original, tiny_model):
+    """Async RL: pause generation, push, resume. Requests in flight when paused are kept (vLLM's
+    'keep' mode) and finish after resume; none is lost or answered twice."""
+    long = GenerateRequest(prompt_token_ids=[[5, 6, 7], [8, 9, 10]],
+                           sampling=SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True))
+    v0 = engine.weight_version
+    in_flight = asyncio.ensure_future(engine.generate(long))
+    await asyncio.sleep(0.2)
+    await engine.pause()
+    try:
+        info = await engine.info()
+        assert info.paused and info.outstanding == 1 and not in_flight.done()
+        await push(engine, update(str(tiny_model)), v0 + 1)
+    finally:
+        await engine.resume()
+    outs = await asyncio.wait_for(in_flight, 300)
+    assert [len(c.token_ids) for c in outs] == [1000, 1000]
+    assert [c.prompt_index for c in outs] == [0, 1]
+    assert all(c.finish_reason == "length" for c in outs)
+    await push(engine, original, v0 + 2)
