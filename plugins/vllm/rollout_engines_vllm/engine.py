@@ -214,6 +214,10 @@ class VllmEngine(Engine):
             multiprocessing = False
         if multiprocessing is not None:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+        if self._platform_guess() == "cuda":
+            # A trainer has usually touched CUDA already; a forked engine core then fails with
+            # "Cannot re-initialize CUDA in forked subprocess" (seen on the H200).
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
     def _platform_guess(self) -> str:
         """The platform before vLLM is imported (vLLM reads the variable at import and start)."""
@@ -494,7 +498,7 @@ class VllmEngine(Engine):
         timeout = manifest.timeout_s * (len(manifest.buckets) + 2)
         results = await self._rpc("roe_receive_weights", manifest.model_dump_json(), timeout=timeout)
         try:
-            raise_worker_error(results, f"weight update v{manifest.version}")
+            raise_worker_error(results, f"weight update v{manifest.version}", update=True)
         except WeightsInvalidated as exc:
             self._weights_invalid = f"weight update v{manifest.version} failed midway ({exc})"
             raise

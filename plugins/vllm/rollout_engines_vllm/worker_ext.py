@@ -220,8 +220,11 @@ class WorkerExtension:
                 state["receiver"] = None
 
 
-def raise_worker_error(results: list[dict[str, Any]], what: str) -> None:
-    """Raise the typed error for the first failed worker of a ``collective_rpc`` call."""
+def raise_worker_error(results: list[dict[str, Any]], what: str, *, update: bool = False) -> None:
+    """Raise the typed error for the first failed worker of a ``collective_rpc`` call.
+
+    ``update``: the call applied weights, so workers that succeeded while others failed leave
+    the engine with mismatched shards (:class:`WeightsInvalidated`)."""
     failed = [(rank, r) for rank, r in enumerate(results) if not r.get("ok")]
     if not failed:
         return
@@ -233,7 +236,7 @@ def raise_worker_error(results: list[dict[str, Any]], what: str) -> None:
     else:
         message = first["message"]
     applied = [r for r in results if r.get("ok")]
-    if applied and cls is not ManifestMismatch:
+    if update and applied and cls is not ManifestMismatch:
         # Some workers took the update and others did not: the shards no longer match.
         cls = WeightsInvalidated
         message = f"{message} (workers {[i for i, r in enumerate(results) if r.get('ok')]} applied it)"
