@@ -44,7 +44,8 @@ logger = logging.getLogger("rollout_engines.remote.transport")
 
 FRAME_TENSOR = "bucket"
 MAX_FRAME_HEADER = 64 * 1024
-#: Preference order of local transports the server relays ``http`` buckets through.
+#: Preference order of local transports the server relays ``http`` buckets through (``http`` and
+#: ``inproc`` are queues in the server's process; ``shm``/``disk`` reach worker processes).
 RELAY_PREFERENCE = ("http", "inproc", "shm", "disk")
 
 
@@ -303,9 +304,12 @@ class _Session:
 
 
 def relay_transport(engine: Engine) -> str | None:
-    """The local transport a server relays ``http`` buckets through for this engine, if any."""
-    for name in RELAY_PREFERENCE:
-        if name in engine.capabilities.transports:
+    """The local transport a server relays ``http`` buckets through for this engine, if any
+    (in-process queues only where the engine's receivers live in the server's process)."""
+    caps = engine.capabilities
+    order = RELAY_PREFERENCE if not caps.multi_process else tuple(t for t in RELAY_PREFERENCE if t in ("shm", "disk"))
+    for name in order:
+        if name in caps.transports:
             return name
     return None
 
