@@ -94,7 +94,8 @@ class VllmOptions(BaseModel):
     weight_apply_mode: Literal["staged", "inplace"] = Field(
         default="staged",
         description="'staged': verify every bucket before loading any (needs a second copy of the "
-        "update); 'inplace': load bucket by bucket, refuse generation if an update fails midway.",
+        "update); 'inplace': load bucket by bucket, refuse generation if an update fails midway "
+        "(CUDA only: on CPU, where weights load through reload_weights, updates are always staged).",
     )
     copy_plan: bool = Field(
         default=True,

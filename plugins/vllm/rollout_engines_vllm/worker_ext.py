@@ -171,6 +171,11 @@ class WorkerExtension:
                 state["target"] = VllmWeightTarget(self, copy_plan=bool(options.get("copy_plan", True)))
             if state["receiver"] is not None:
                 state["receiver"].close()
+            if mode == "inplace" and state["target"].use_reload:
+                # A reload processes each module once its tensors arrived; per-bucket reloads would
+                # see modules split across buckets half loaded. Stage the whole update instead.
+                logger.info("weight_apply_mode 'inplace' is not possible with reload_weights; staging")
+                mode = "staged"
             device = "cpu" if spec.transport in HOST_TRANSPORTS else getattr(self, "device", "cpu")
             rank = int(getattr(self, "rank", 0))
             receiver = WeightReceiver(state["target"], device=device, mode=mode, label=f"vllm worker {rank}")  # type: ignore[arg-type]
