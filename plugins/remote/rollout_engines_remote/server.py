@@ -163,10 +163,6 @@ class Guard:
         self.max_body_bytes, self.max_bucket_bytes = max_body_bytes, max_bucket_bytes
         self._expected = f"Bearer {api_key}".encode() if api_key else b""
 
-    async def _reply(self, send: Callable[[Any], Awaitable[None]], response: Response, scope: Any,
-                     receive: Any) -> None:
-        await response(scope, receive, send)
-
     async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
                        send: Callable[[Any], Awaitable[None]]) -> None:
         if scope["type"] != "http":

@@ -139,3 +139,21 @@ async def test_http_is_refused_for_an_engine_in_this_process(tiny_model):
             await roe.connect_weight_sync([local], transport="http", timeout_s=5)
     finally:
         await local.close()
+
+
+async def test_one_http_session_to_two_servers(remote, thread_server, original):
+    other = roe.create_engine("remote", model=thread_server.url, api_key=thread_server.api_key)
+    try:
+        before = await remote.generate(request())
+        assert tokens(await other.generate(request())) == tokens(before)
+        version = max(remote.weight_version, other.weight_version) + 1
+        async with await roe.connect_weight_sync([remote, other], transport="http", bucket_bytes=128 * 1024) as sync:
+            await sync.push(perturbed(original, seed=5), version=version)
+        a, b = await remote.generate(request()), await other.generate(request())
+        assert tokens(a) == tokens(b) != tokens(before)
+        assert remote.weight_version == other.weight_version == version
+        async with await roe.connect_weight_sync([remote, other], transport="http") as sync:
+            await sync.push(original, version=version + 1)
+        assert tokens(await other.generate(request())) == tokens(before)
+    finally:
+        await other.close()
