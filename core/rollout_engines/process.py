@@ -173,7 +173,9 @@ class ProcessEngine(Engine):
     async def info(self) -> EngineInfo:
         if self._closed or self._dead:
             return await super().info()
-        return EngineInfo(**await self._call("info"))
+        info = EngineInfo(**await self._call("info"))
+        info.capabilities = self.capabilities.model_dump()  # as seen from here (multi_process)
+        return info
 
     async def health(self) -> bool:
         if self._closed or self._dead or not self._proc.is_alive():
