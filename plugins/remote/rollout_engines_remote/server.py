@@ -441,7 +441,13 @@ def create_app(
             if chunk is None:
                 raise FieldError("body", "bucket frame ended inside its header")
             pending += chunk
-        meta, nbytes = parse_frame_header(bytes(pending[8 : 8 + hlen]))
+        try:
+            meta, nbytes = parse_frame_header(bytes(pending[8 : 8 + hlen]))
+            for key in ("session", "update", "index"):
+                if key not in meta:
+                    raise ValueError(f"bucket frame metadata lacks '{key}'")
+        except ValueError as exc:
+            raise FieldError("body", str(exc)) from None
         if int(length) != 8 + hlen + nbytes:
             raise FieldError("content-length", f"{length} != frame size {8 + hlen + nbytes}")
         buf = torch.empty(nbytes, dtype=torch.uint8)

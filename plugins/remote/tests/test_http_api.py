@@ -163,3 +163,37 @@ def test_metrics_count_requests_and_tokens(thread_server):
         assert value(after, "rollout_generated_tokens_total") - value(before, "rollout_generated_tokens_total") == generated
         assert 'rollout_requests_total{endpoint="/generate",status="200"}' in after
         assert "rollout_weight_version" in after
+
+
+def test_bad_bucket_frames_are_client_errors(thread_server):
+    from rollout_engines_remote.transport import frame_prefix
+
+    url = thread_server.url + "/weights/bucket"
+    h = {**thread_server.headers, "content-type": "application/octet-stream"}
+    with httpx.Client(timeout=30) as c:
+        r = c.post(url, content=b"\x05\x00\x00\x00\x00\x00\x00\x00{}xyz", headers=h)
+        assert r.status_code == 422 and r.json()["error"]["param"] == "body"
+        r = c.post(url, content=b"\xff" * 8 + b"x", headers=h)  # header length far beyond the limit
+        assert r.status_code == 422 and "header" in r.json()["error"]["message"]
+        frame = frame_prefix({"session": "nope", "update": "u", "index": "0", "checksum": "0"}, 4) + b"abcd"
+        r = c.post(url, content=frame[:-1], headers=h)  # Content-Length says one byte less
+        assert r.status_code == 422 and r.json()["error"]["param"] == "content-length"
+        r = c.post(url, content=iter([frame]), headers=h)  # chunked: no Content-Length
+        assert r.status_code == 422 and r.json()["error"]["param"] == "content-length"
+        r = c.post(url, content=frame, headers=h)  # well-formed, but no session is open
+        assert r.status_code == 409 and r.json()["error"]["type"] == "WeightSyncError"
+        assert "/weights/init" in r.json()["error"]["message"]
+
+
+def test_oversized_bucket_is_413(tiny_model):
+    import rollout_engines as roe
+
+    from .conftest import start_thread_server
+
+    engine = roe.create_engine("transformers", model=str(tiny_model))
+    server = start_thread_server(engine, max_bucket_bytes=1024)
+    try:
+        r = httpx.post(server.url + "/weights/bucket", content=b"\0" * 2048, headers=server.headers, timeout=30)
+        assert r.status_code == 413 and "1024" in r.json()["error"]["message"]
+    finally:
+        server.stop()
