@@ -87,7 +87,8 @@ class ServerProcess:
         return code
 
     def __enter__(self) -> ServerProcess:
-        return self.start()
+        # ``with server.start(...)`` and ``with server`` both start exactly one process.
+        return self if self.proc is not None and self.proc.poll() is None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -40,8 +40,11 @@ def served_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     log = tmp_path_factory.mktemp("served-vllm") / "server.log"
     server = ServerProcess("vllm", str(tiny_model), api_key=API_KEY, log=log, env=VLLM_ENV,
                            options={"dtype": "float32"})
-    with server.start(timeout_s=600):
+    server.start(timeout_s=600)
+    try:
         yield server
+    finally:
+        server.stop()
 
 
 class PlainVllmServer:
