@@ -290,7 +290,9 @@ def create_app(
                                close_timeout_s)
                 if exit_process_on_close_timeout:
                     # The engine's threads would keep the interpreter alive until their work ends;
-                    # every request is answered or aborted by now, so end the process here.
+                    # every request is answered or aborted by now, so end the process here, and
+                    # the engine's worker processes with it (they must not outlive the server).
+                    _stop_children()
                     logging.shutdown()
                     os._exit(0)
 
@@ -511,6 +513,18 @@ def create_app(
 
     return Guard(app, api_key=api_key, max_body_bytes=max_body_bytes, max_bucket_bytes=max_bucket_bytes,
                  metrics=state.metrics)
+
+
+def _stop_children(grace_s: float = 5.0) -> None:
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(grace_s)
+        if child.is_alive():
+            child.kill()
 
 
 def fastapi_app(app: Any) -> FastAPI:
