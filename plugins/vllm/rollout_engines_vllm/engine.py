@@ -43,7 +43,7 @@ from rollout_engines.errors import (
 from rollout_engines.types import Completion, EngineConfig, GenerateRequest, SamplingParams
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 
-from .plugin import INSTALL_HINT
+from .plugin import CPU_TRANSPORTS, CUDA_TRANSPORTS, INSTALL_HINT
 
 logger = logging.getLogger("rollout_engines.vllm")
 
@@ -51,9 +51,6 @@ T = TypeVar("T")
 
 WORKER_EXTENSION = "rollout_engines_vllm.worker_ext.WorkerExtension"  # vLLM qualname: dots only
 CPU_KV_CACHE_BYTES = 256 * 2**20
-CPU_TRANSPORTS = ("gloo", "shm", "disk")
-#: On CUDA the host transports work too (received on the host, copied up by the loader).
-CUDA_TRANSPORTS = ("nccl", "cuda_ipc", "disk", "gloo", "shm")
 
 #: vLLM's sleep mode swaps the CUDA allocator of the process for its own (a process-wide
 #: singleton), so a second sleep-mode engine in one process breaks the first (vllm#18975).

