@@ -122,7 +122,7 @@ def build_parser(bench_module: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="generate, push new weights, sleep/wake: the main job end to end")
     p.add_argument("--backend", default="transformers")
     p.add_argument("--model", default=None, help="model directory (default: the tiny test model)")
-    p.add_argument("--transport", default="inproc")
+    p.add_argument("--transport", default=None, help="weight transport (default: the cheapest the engine declares)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--engines", type=int, default=1, help="run on an EngineGroup of N engines")
     p.add_argument("--ray", action="store_true", help="engines as Ray actors")

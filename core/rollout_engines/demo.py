@@ -29,12 +29,28 @@ def demo_request(max_tokens: int = 32) -> GenerateRequest:
     return GenerateRequest(prompts=PROMPTS, sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1))
 
 
-async def run_demo(engine: Engine, *, transport: str = "inproc", max_tokens: int = 32, say: Any = None) -> dict[str, Any]:
-    """Run the demo on a started engine; returns the summary (see ``rollout-engines demo --json``)."""
+PREFERRED_TRANSPORTS = ("inproc", "shm", "cuda_ipc", "gloo", "nccl", "http", "disk")
+
+
+def pick_transport(engine: Engine) -> str:
+    """The cheapest transport the engine declares (in-process first, disk last)."""
+    declared = engine.capabilities.transports
+    for name in PREFERRED_TRANSPORTS:
+        if name in declared:
+            return name
+    if declared:
+        return declared[0]
+    raise ValueError(f"backend '{engine.backend_name}' declares no weight transport")
+
+
+async def run_demo(engine: Engine, *, transport: str | None = None, max_tokens: int = 32, say: Any = None) -> dict[str, Any]:
+    """Run the demo on a started engine; returns the summary (see ``rollout-engines demo --json``).
+    ``transport`` None picks the cheapest one the engine declares."""
     from .weights.checkpoint import load_checkpoint, perturbed
     from .weights.session import connect_weight_sync
 
     say = say or (lambda *a: None)
+    transport = transport or pick_transport(engine)
     request = demo_request(max_tokens)
     start = time.perf_counter()
     before = await engine.generate(request)
@@ -87,7 +103,7 @@ async def run_demo(engine: Engine, *, transport: str = "inproc", max_tokens: int
     }
 
 
-def main_demo(backend: str, model: str | None, transport: str, max_tokens: int, say: Any) -> dict[str, Any]:
+def main_demo(backend: str, model: str | None, transport: str | None, max_tokens: int, say: Any) -> dict[str, Any]:
     from .factory import create_engine
 
     if model is None:
