@@ -6,10 +6,16 @@ import asyncio
 
 import pytest
 import torch
-
 from rollout_engines import ManifestMismatch, WeightSyncError
 from rollout_engines.weights.buckets import BucketHeader, alloc_bucket, bucket_views, checksum, pack_bucket
-from rollout_engines.weights.manifest import ALIGN, TensorSpec, WeightManifest, plan_manifest, specs_of, validate_manifest
+from rollout_engines.weights.manifest import (
+    ALIGN,
+    TensorSpec,
+    WeightManifest,
+    plan_manifest,
+    specs_of,
+    validate_manifest,
+)
 from rollout_engines.weights.receiver import StateDictTarget
 
 

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import rollout_engines as roe
 from rollout_engines.plugins import ENTRY_POINT_GROUP, Registry, reset_registry
 

@@ -65,7 +65,7 @@ async def run_demo(engine: Engine, *, transport: str | None = None, max_tokens: 
         version = await sync.push(perturbed(original), version=engine.weight_version + 1)
         push_seconds = time.perf_counter() - push_start
         after = await engine.generate(request)
-        changed = [a.token_ids != b.token_ids for a, b in zip(after, before)]
+        changed = [a.token_ids != b.token_ids for a, b in zip(after, before, strict=True)]
         say(f"pushed v{version} over {transport} in {push_seconds * 1e3:.0f} ms: {sum(changed)}/{len(changed)} outputs changed")
         slept = False
         if engine.capabilities.supports_sleep():
@@ -73,14 +73,14 @@ async def run_demo(engine: Engine, *, transport: str | None = None, max_tokens: 
             await engine.wake_up()
             again = await engine.generate(request)
             slept = True
-            same = all(a.token_ids == b.token_ids for a, b in zip(again, after))
+            same = all(a.token_ids == b.token_ids for a, b in zip(again, after, strict=True))
             say(f"slept and woke: outputs {'unchanged' if same else 'CHANGED'} after wake-up")
         else:
             same = True
             say(f"sleep is not supported by '{engine.backend_name}' here; skipped")
         restored_version = await sync.push(original, version=version + 1)
         restored = await engine.generate(request)
-        back = all(a.token_ids == b.token_ids for a, b in zip(restored, before))
+        back = all(a.token_ids == b.token_ids for a, b in zip(restored, before, strict=True))
         say(f"pushed the original weights as v{restored_version}: outputs {'back to the first' if back else 'DIFFERENT'}")
     finally:
         await sync.close()

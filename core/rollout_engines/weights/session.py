@@ -66,7 +66,7 @@ async def connect_weight_sync(
         for off in offsets
     ]
     connect = asyncio.ensure_future(asyncio.to_thread(sender.connect))
-    joins = [asyncio.ensure_future(e.init_weight_transfer(s)) for e, s in zip(engines, specs)]
+    joins = [asyncio.ensure_future(e.init_weight_transfer(s)) for e, s in zip(engines, specs, strict=True)]
     results = await asyncio.gather(connect, *joins, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:

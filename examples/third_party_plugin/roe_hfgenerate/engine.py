@@ -11,11 +11,10 @@ import threading
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from rollout_engines import Capabilities, Completion, Engine, EngineConfig, GenerateRequest
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 from rollout_engines.weights.receiver import StateDictTarget, WeightReceiver
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
