@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BUCKET, module_engine_process, outputs, state, trainer_main
+from helpers import BUCKET, PROMPTS, module_engine_process, outputs, state, trainer_main
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
 from rollout_engines.weights.manifest import TransportSpec, plan_manifest, specs_of
 from rollout_engines.weights.session import connect_weight_sync
@@ -43,12 +43,9 @@ async def test_push_changes_outputs_and_restore_restores(engine, transport):
         assert (await engine.info()).weight_version == 1
         await sync.push(state(0), version=2)
         assert await outputs(engine) == before
-        assert (await engine.generate(PROMPTS_V))[0].weight_version == 2
+        assert (await engine.generate(PROMPTS))[0].weight_version == 2
     finally:
         await sync.close()
-
-
-from helpers import PROMPTS as PROMPTS_V  # noqa: E402
 
 
 async def test_two_engines_over_gloo():
