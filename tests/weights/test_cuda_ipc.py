@@ -78,10 +78,10 @@ async def test_cuda_ipc_push_lands_whole_and_opens_each_slot_once():
 
 @pytest.mark.transformers
 async def test_transformers_engine_on_gpu_receives_over_cuda_ipc(tiny_model):
-    from helpers import tiny_state
     from rollout_engines import EngineConfig, GenerateRequest, SamplingParams
     from rollout_engines.process import ProcessEngine
     from rollout_engines.weights.session import connect_weight_sync
+    from wsync_helpers import tiny_state
 
     greedy = GenerateRequest(prompt_token_ids=[[5, 6, 7]], sampling=SamplingParams(temperature=0, max_tokens=8))
     engine = ProcessEngine(EngineConfig(backend="transformers", model=str(tiny_model), dtype="float32", device="cuda:0"))

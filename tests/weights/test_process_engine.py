@@ -8,11 +8,11 @@ import os
 import signal
 
 import pytest
-from helpers import PROMPTS, module_engine_process, outputs, state
 from rollout_engines import EngineConfig
 from rollout_engines.errors import EngineUnavailable, WeightSyncError
 from rollout_engines.process import ProcessEngine
 from rollout_engines.weights.manifest import plan_manifest, specs_of
+from wsync_helpers import PROMPTS, module_engine_process, outputs, state
 
 pytestmark = pytest.mark.timeout(120)
 

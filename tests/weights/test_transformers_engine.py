@@ -9,12 +9,12 @@ import signal
 
 import pytest
 import torch
-from helpers import tiny_state, tiny_trainer_main
 from rollout_engines import EngineConfig, GenerateRequest, SamplingParams
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
 from rollout_engines.process import ProcessEngine
 from rollout_engines.weights.manifest import TransportSpec, plan_manifest, specs_of
 from rollout_engines.weights.session import connect_weight_sync
+from wsync_helpers import tiny_state, tiny_trainer_main
 
 pytestmark = [pytest.mark.transformers, pytest.mark.timeout(300)]
 GREEDY = GenerateRequest(prompt_token_ids=[[5, 6, 7], [100, 200]], sampling=SamplingParams(temperature=0, max_tokens=8))

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BUCKET, PROMPTS, module_engine_process, outputs, state, trainer_main
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
 from rollout_engines.weights.manifest import TransportSpec, plan_manifest, specs_of
 from rollout_engines.weights.session import connect_weight_sync
+from wsync_helpers import BUCKET, PROMPTS, module_engine_process, outputs, state, trainer_main
 
 CPU_TRANSPORTS = ["gloo", "shm", "disk"]
 pytestmark = pytest.mark.timeout(180)
