@@ -82,7 +82,7 @@ class ProcessEngine(Engine):
         if kind != "ready":
             self._proc.join(5)
             raise _rebuild(payload)
-        self.backend_name = payload["backend"]
+        self.backend_name = payload["backend"]  # type: ignore[misc]  # the hosted backend's name
         self.capabilities = Capabilities(**{**payload["capabilities"], "multi_process": True})
         self._receivers = int(payload["receivers"])
         self.pid = self._proc.pid

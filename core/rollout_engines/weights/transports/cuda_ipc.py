@@ -61,7 +61,7 @@ class CudaIpcSender(SlotSender):
 
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
         rebuild, args = reduce_tensor(tensor)
-        self._kv.set(f"handle/{self._uuid}/{name}", pickle.dumps((rebuild, args)))
+        self._kv.set(f"handle/{self._uuid}/{name}", pickle.dumps((rebuild, args)))  # type: ignore[arg-type]  # bytes are accepted
         return None, tensor
 
     def _free_slot(self, name: str, handle: Any) -> None:
