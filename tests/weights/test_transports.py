@@ -112,11 +112,13 @@ async def _start_killable_trainer(engine, transport, timeout_s, options, stall_a
 
 
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)
-async def test_trainer_killed_mid_stream(engine, transport):
+async def test_trainer_killed_mid_stream(engine, transport, tmp_path):
     before = await outputs(engine)
     segments_before = shm_segments()
     timeout_s = 6.0 if transport == "disk" else 60.0  # disk has no liveness channel: only its timeout
-    proc, conn, manifest = await _start_killable_trainer(engine, transport, timeout_s, {}, stall_after=3)
+    # A killed trainer cannot remove its temporary directory: give it one that pytest removes.
+    options = {"path": str(tmp_path)} if transport == "disk" else {}
+    proc, conn, manifest = await _start_killable_trainer(engine, transport, timeout_s, options, stall_after=3)
     receiving = asyncio.ensure_future(engine.receive_weights(manifest))
     assert await asyncio.to_thread(conn.recv) == "stalled"  # bucket 0 (at least) is on its way
     os.kill(proc.pid, signal.SIGKILL)
