@@ -60,7 +60,7 @@ def core(session: nox.Session) -> None:
 @nox.session
 def remote(session: nox.Session) -> None:
     """The HTTP server and the `remote` client backend."""
-    _base(session, "-e", "plugins/remote", "schemathesis>=3.30", "openai>=1.40")
+    _base(session, "-e", "plugins/remote", "schemathesis>=3.30", "openai>=1.40,<3")
     _pytest(session, "plugins/remote/tests", "-m", "not vllm")
 
 

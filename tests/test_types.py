@@ -72,6 +72,15 @@ def test_chat_messages_validated() -> None:
     assert any(f.startswith("messages") for f in _fields(info.value))
 
 
+def test_empty_conversation_and_infinite_temperature_are_rejected() -> None:
+    with pytest.raises(ValidationError) as info:
+        GenerateRequest(messages=[[]])
+    assert any(f.startswith("messages") for f in _fields(info.value))
+    with pytest.raises(ValidationError) as info:
+        SamplingParams(temperature=float("inf"))
+    assert "temperature" in _fields(info.value)
+
+
 def test_engine_config_validation() -> None:
     with pytest.raises(ValidationError) as info:
         EngineConfig(model="m", tensor_parallel_size=0)

@@ -6,7 +6,7 @@ receives and a mistake is reported with the field that caused it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -35,7 +35,7 @@ class EngineConfig(_Model):
 class SamplingParams(_Model):
     """Sampling controls, shared by every backend (vLLM's names and meanings)."""
 
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1, description="-1 disables top-k.")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -77,7 +77,7 @@ class GenerateRequest(_Model):
 
     prompt_token_ids: list[list[int]] | None = None
     prompts: list[str] | None = None
-    messages: list[list[ChatMessage]] | None = None
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] | None = None
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     session_id: str | None = Field(default=None, description="Routes a multi-turn session to one engine.")
 

@@ -55,6 +55,7 @@ from ..errors import (
     WeightsInvalidated,
     WeightSyncError,
 )
+from ..tokenization import chat_token_ids
 from ..types import ChatMessage, Completion, EngineConfig, GenerateRequest, SamplingParams
 
 T = TypeVar("T")
@@ -380,12 +381,10 @@ class GenerationTests(ConformanceBase):
         outs = slot.run(engine.chat(GenerateRequest(messages=chats, sampling=greedy(6))))
         assert [c.prompt_index for c in outs] == [0, 1]
         for c, chat in zip(outs, chats, strict=True):
-            ids = tokenizer.apply_chat_template([m.model_dump() for m in chat], add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            ids = chat_token_ids(tokenizer, chat)
             assert c.prompt_token_ids in ([], ids)
             assert len(c.token_ids) == 6
-        first = tokenizer.apply_chat_template([m.model_dump() for m in chats[0]], add_generation_prompt=True, tokenize=True)
-        first = list(first["input_ids"] if hasattr(first, "keys") else first)  # transformers 5 returns a BatchEncoding
+        first = chat_token_ids(tokenizer, chats[0])
         direct = slot.run(engine.generate(GenerateRequest(prompt_token_ids=[first], sampling=greedy(6))))
         assert direct[0].token_ids == outs[0].token_ids
 

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 from rollout_engines import Capabilities, Completion, Engine, EngineConfig, GenerateRequest
+from rollout_engines.errors import InvalidRequest
+from rollout_engines.tokenization import chat_token_ids
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 from rollout_engines.weights.receiver import StateDictTarget, WeightReceiver
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -27,23 +29,28 @@ class HFGenerateEngine(Engine):
         super().__init__(config)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         dtype = _DTYPES[config.dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(config.model, torch_dtype=dtype or "auto").eval()
+        self.hf_model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype or "auto").eval()
         self._lock = threading.Lock()  # one generate() or weight load at a time
-        self._receiver = WeightReceiver(StateDictTarget(self.model), label="hfgenerate")
+        self._receiver = WeightReceiver(StateDictTarget(self.hf_model), label="hfgenerate")
 
     async def _generate(self, request: GenerateRequest) -> list[Completion]:
         return await asyncio.to_thread(self._generate_sync, request)
 
     def _prompts(self, request: GenerateRequest) -> list[list[int]]:
         if request.prompt_token_ids is not None:
-            return request.prompt_token_ids
-        if request.prompts is not None:
-            return [self.tokenizer(p)["input_ids"] for p in request.prompts]
-        assert request.messages is not None
-        return [
-            self.tokenizer.apply_chat_template([m.model_dump() for m in chat], add_generation_prompt=True, tokenize=True)
-            for chat in request.messages
-        ]
+            prompts = request.prompt_token_ids
+        elif request.prompts is not None:
+            prompts = [self.tokenizer(p)["input_ids"] for p in request.prompts]
+        else:
+            assert request.messages is not None
+            prompts = [chat_token_ids(self.tokenizer, chat) for chat in request.messages]
+        vocab, window = self.hf_model.config.vocab_size, self.hf_model.config.max_position_embeddings
+        for i, p in enumerate(prompts):
+            if any(t >= vocab for t in p):
+                raise InvalidRequest(f"prompt {i} has token ids >= the vocabulary size {vocab}")
+            if len(p) + request.sampling.max_tokens > window:
+                raise InvalidRequest(f"prompt {i} plus max_tokens exceeds the context window of {window} tokens")
+        return prompts
 
     def _generate_sync(self, request: GenerateRequest) -> list[Completion]:
         s = request.sampling
@@ -57,7 +64,7 @@ class HFGenerateEngine(Engine):
                     if s.seed is not None:
                         torch.manual_seed(s.seed + j)
                     ids = torch.tensor([prompt])
-                    result = self.model.generate(
+                    result = self.hf_model.generate(
                         ids,
                         attention_mask=torch.ones_like(ids),
                         do_sample=s.temperature > 0,
@@ -111,4 +118,4 @@ class HFGenerateEngine(Engine):
 
     async def _close(self) -> None:
         self._receiver.close()
-        self.model = None  # type: ignore[assignment]
+        self.hf_model = None

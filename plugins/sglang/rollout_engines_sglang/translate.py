@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_engines.errors import InvalidRequest
+from rollout_engines.tokenization import chat_token_ids
 from rollout_engines.types import Completion, FinishReason, GenerateRequest, SamplingParams
 
 
@@ -73,12 +74,7 @@ def tokenize_request(request: GenerateRequest, tokenizer: Any) -> list[list[int]
         assert request.messages is not None
         out = []
         for chat in request.messages:
-            ids = tokenizer.apply_chat_template(
-                [m.model_dump() for m in chat], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, Mapping):  # some transformers releases return a BatchEncoding
-                ids = ids["input_ids"]
-            out.append(list(ids))
+            out.append(chat_token_ids(tokenizer, chat))
     empty = [i for i, p in enumerate(out) if not p]
     if empty:
         raise InvalidRequest(f"prompt {empty[0]} tokenizes to no tokens; pass a non-empty prompt")

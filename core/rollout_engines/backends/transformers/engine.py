@@ -47,6 +47,7 @@ from ...errors import (
     WeightsInvalidated,
     WeightSyncError,
 )
+from ...tokenization import chat_token_ids
 from ...types import Completion, EngineConfig, GenerateRequest
 from ...weights.manifest import TensorSpec, TransportSpec, WeightManifest
 from ...weights.receiver import StateDictTarget, WeightReceiver
@@ -293,12 +294,7 @@ class TransformersEngine(Engine):
             assert request.messages is not None
             prompts = []
             for chat in request.messages:
-                ids = self.tokenizer.apply_chat_template(
-                    [m.model_dump() for m in chat], add_generation_prompt=True, tokenize=True
-                )
-                if isinstance(ids, Mapping):  # some releases return a BatchEncoding
-                    ids = ids["input_ids"]
-                prompts.append(list(ids))
+                prompts.append(chat_token_ids(self.tokenizer, chat))
         for i, p in enumerate(prompts):
             if not p:
                 raise InvalidRequest(f"prompt {i} is empty after tokenization; give at least one token of text")
