@@ -156,7 +156,8 @@ def run_push_benchmark(args: Any) -> dict[str, Any]:
         start_print = fingerprint()
 
         async def go() -> tuple[list[float], bool, bool]:
-            sync = await connect_weight_sync([engine], transport, bucket_bytes=bucket_bytes, timeout_s=600)
+            sync = await connect_weight_sync([engine], transport, bucket_bytes=bucket_bytes, timeout_s=600,
+                                             checksum=_get(args, "checksum", "sum64"))
             times: list[float] = []
             try:
                 for i in range(pushes):
@@ -196,6 +197,8 @@ def run_push_benchmark(args: Any) -> dict[str, Any]:
         "perturbed_push_changed_weights": differs,
         "original_push_restored_weights": same,
         "copy_plan": bool(options.get("copy_plan", True)) and cuda,
+        "checksum": _get(args, "checksum", "sum64"),
+        "apply_mode": options.get("weight_apply_mode", "staged"),
     }
 
 
@@ -219,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--transport", default=None)
             p.add_argument("--pushes", type=int, default=5)
             p.add_argument("--bucket-mb", type=float, default=512)
+            p.add_argument("--checksum", default="sum64", choices=["sum64", "none"], help="per-bucket checksum")
     args = parser.parse_args(argv)
     if args.what == "generate":
         from .engine import VllmEngine
