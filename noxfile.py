@@ -11,6 +11,7 @@ CUDA build on a CPU machine; set ROLLOUT_ENGINES_TORCH to change the pin.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import nox
 
@@ -26,6 +27,9 @@ ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONUNBUFFERED": "1",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # nox points TMPDIR into the session's virtualenv, where Ray refuses to put its session
+    # folder ("temp_dir must not be child directory of virtualenv root"); give it one outside.
+    "RAY_TMPDIR": tempfile.mkdtemp(prefix="roe-ray-"),
 }
 
 
