@@ -72,7 +72,7 @@ def remote(session: nox.Session) -> None:
 def ray(session: nox.Session) -> None:
     """Engines as Ray actors on real local clusters."""
     _base(session, "ray[default]>=2.40")
-    _pytest(session, "tests/ray")
+    _pytest(session, "tests/ray", "--ignore=tests/ray/test_ray_vllm.py")
 
 
 @nox.session
@@ -83,8 +83,11 @@ def vllm(session: nox.Session) -> None:
     # pip picks torchvision/torchaudio builds that do not load beside the CPU torch; vLLM's text
     # models do not need them.
     session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
-    session.install("-e", ".", "-e", "plugins/vllm", "-e", "plugins/remote", *TEST_DEPS)
-    _pytest(session, "plugins/vllm/tests", "plugins/remote/tests/test_vllm_server.py", "-p", "no:cacheprovider")
+    session.install("-e", ".", "-e", "plugins/vllm", "-e", "plugins/remote", "ray[default]>=2.40", *TEST_DEPS)
+    _pytest(
+        session, "plugins/vllm/tests", "plugins/remote/tests/test_vllm_server.py", "tests/group/test_group_vllm.py",
+        "tests/ray/test_ray_vllm.py", "-p", "no:cacheprovider",
+    )
 
 
 @nox.session
