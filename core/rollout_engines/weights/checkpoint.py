@@ -1,10 +1,69 @@
-"""Reading a model directory's safetensors checkpoint (HF names), e.g. to perturb or re-push it."""
+"""Reading a model directory's safetensors checkpoint (HF names): what an update may carry
+(from the headers alone, no tensor data), and the tensors themselves (to perturb or re-push)."""
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from .manifest import TensorSpec
+
+if TYPE_CHECKING:
+    import torch
+
+#: safetensors header dtype -> torch dtype name.
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16"}
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+def checkpoint_specs(model_dir: str | Path, runtime_dtype: str | None = None) -> dict[str, TensorSpec]:
+    """Name -> spec of every tensor in ``model_dir/*.safetensors`` (HF checkpoint names).
+
+    Engines that fuse or repack parameters (vLLM, SGLang) cannot say from their own parameters
+    which tensors an update may carry; the checkpoint's headers can. Floating tensors take
+    ``runtime_dtype`` (the dtype the engine runs in, so the dtype a trainer sends). With tied word
+    embeddings ``lm_head.weight`` is accepted too: a trainer's ``state_dict()`` has it, and the
+    engines' loaders skip it because the embedding is the head.
+    """
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors in {model_dir}; weight updates need a safetensors checkpoint to know "
+            "which tensors the model takes"
+        )
+    specs: dict[str, TensorSpec] = {}
+    for file in files:
+        for name, meta in read_safetensors_header(file).items():
+            dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
+            if dtype is None:
+                continue  # a dtype no update can carry; validation reports the name as unknown
+            if runtime_dtype is not None and dtype in FLOAT_DTYPES:
+                dtype = runtime_dtype
+            specs[name] = TensorSpec(name=name, dtype=dtype, shape=tuple(meta["shape"]))
+    config_file = model_dir / "config.json"
+    if config_file.exists():
+        config = json.loads(config_file.read_text())
+        text_config = config.get("text_config", config)
+        tied = text_config.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        embed = specs.get("model.embed_tokens.weight")
+        if tied and embed is not None and "lm_head.weight" not in specs:
+            specs["lm_head.weight"] = TensorSpec(name="lm_head.weight", dtype=embed.dtype, shape=embed.shape)
+    return specs
 
 
 def load_checkpoint(model_path: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -24,6 +83,7 @@ def load_checkpoint(model_path: str | Path, dtype: torch.dtype | None = None) ->
 
 def perturbed(tensors: dict[str, torch.Tensor], scale: float = 0.5, seed: int = 1) -> dict[str, torch.Tensor]:
     """A copy with seeded noise added to every floating tensor: a different but valid model."""
+    import torch
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, t in tensors.items():
