@@ -66,6 +66,9 @@ class Engine(abc.ABC):
 
     backend_name: ClassVar[str] = "?"
     capabilities: Capabilities = Capabilities()
+    #: Drop cached prefixes after waking (stale KV after wake gives garbage, vllm#17103). Engines
+    #: made of engines (EngineGroup) leave it to their members.
+    reset_prefix_cache_on_wake: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -195,7 +198,8 @@ class Engine(abc.ABC):
         if todo:
             await self._wake_up(todo)
             self._asleep.difference_update(todo)
-            await self._reset_prefix_cache()
+            if self.reset_prefix_cache_on_wake:
+                await self._reset_prefix_cache()
 
     async def reset_prefix_cache(self) -> None:
         self._check_not_closed()

@@ -145,6 +145,7 @@ class EngineGroup(Engine):
     """N engines of any backend behind the engine API (see the module docstring)."""
 
     backend_name = "group"
+    reset_prefix_cache_on_wake = False  # members reset their own caches when they wake
 
     def __init__(
         self,
@@ -613,16 +614,6 @@ class EngineGroup(Engine):
 
     async def _resume(self) -> None:
         await self._fan_out(lambda e: e.resume(), "resume")
-
-    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        # members reset their own prefix caches on wake-up; skip the base class's second reset
-        self._check_not_closed()
-        tags = list(tags or sorted(self._asleep))
-        self._check_tags(tags)
-        todo = [t for t in tags if t in self._asleep]
-        if todo:
-            await self._wake_up(todo)
-            self._asleep.difference_update(todo)
 
     # ---- weight sync ---------------------------------------------------------------------------
     def weight_receivers(self) -> int:

@@ -143,10 +143,11 @@ class TransformersEngine(Engine):
         dtype: Any = _DTYPES.get(config.dtype, "auto")
         # transformers renamed torch_dtype to dtype in 4.56; the core supports older releases too.
         dtype_kw = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
-        model = AutoModelForCausalLM.from_pretrained(config.model, attn_implementation=attn, **{dtype_kw: dtype})
+        model: Any = AutoModelForCausalLM.from_pretrained(config.model, attn_implementation=attn, **{dtype_kw: dtype})
         self.hf_model = model.to(self.device).eval()
         self.dtype = next(self.hf_model.parameters()).dtype
-        self.max_model_len = int(config.max_model_len or getattr(self.hf_model.config, "max_position_embeddings", 2048))
+        window: Any = config.max_model_len or getattr(self.hf_model.config, "max_position_embeddings", None)
+        self.max_model_len = int(window or 2048)
         self.vocab_size = int(self.hf_model.get_input_embeddings().weight.shape[0])
         self.pad_id = self._pad_id()
         n_params = sum(p.numel() for p in self.hf_model.parameters())
