@@ -120,6 +120,12 @@ class Engine(abc.ABC):
     def _extra_info(self) -> dict[str, Any]:
         return {}
 
+    def _outstanding_count(self) -> int:
+        return self._outstanding
+
+    def _is_healthy(self) -> bool:
+        return not self._closed and self._weights_invalid is None
+
     # ---- public API ----------------------------------------------------------------------------
     @property
     def model(self) -> str:
@@ -271,8 +277,8 @@ class Engine(abc.ABC):
             weight_version=self.weight_version,
             asleep=sorted(self._asleep),
             paused=self._paused,
-            outstanding=self._outstanding,
-            healthy=not self._closed and self._weights_invalid is None,
+            outstanding=self._outstanding_count(),
+            healthy=self._is_healthy(),
             capabilities=self.capabilities.model_dump(),
             extra=self._extra_info(),
         )

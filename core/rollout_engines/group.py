@@ -67,7 +67,7 @@ from .errors import (
     EngineUnavailable,
     WeightSyncError,
 )
-from .types import Completion, EngineConfig, EngineInfo, GenerateRequest
+from .types import Completion, EngineConfig, GenerateRequest
 from .weights.manifest import TransportSpec, WeightManifest
 
 if TYPE_CHECKING:
@@ -702,22 +702,18 @@ class EngineGroup(Engine):
         await asyncio.gather(*(m.engine.close_weight_transfer() for m in members), return_exceptions=True)
 
     # ---- info / health / close -----------------------------------------------------------------
-    async def info(self) -> EngineInfo:
-        return EngineInfo(
-            backend=self.backend_name,
-            model=self.config.model,
-            weight_version=self.weight_version,
-            asleep=sorted(self._asleep),
-            paused=self._paused,
-            outstanding=sum(m.outstanding for m in self._members),
-            healthy=not self._closed and any(m.serving for m in self._members),
-            capabilities=self.capabilities.model_dump(),
-            extra={"routing": self.routing, "retried": self.retried, "members": self.member_stats()},
-        )
+    def _outstanding_count(self) -> int:
+        return sum(m.outstanding for m in self._members)
+
+    def _is_healthy(self) -> bool:
+        return not self._closed and any(m.serving for m in self._members)
+
+    def _extra_info(self) -> dict[str, Any]:
+        return {"routing": self.routing, "retried": self.retried, "members": self.member_stats()}
 
     async def health(self) -> bool:
         """True while at least one member serves."""
-        return not self._closed and any(m.serving for m in self._members)
+        return self._is_healthy()
 
     async def _stop(self) -> None:
         tasks = [t for t in (self._health_task, *self._background) if t is not None]

@@ -179,10 +179,7 @@ class SlotReceiver(TransportReceiver):
     def _check(self, index: int) -> None:
         assert self._beat is not None
         self._beat.check()
-        key = f"{self._token}/abort"
-        if self._kv.check([key]):
-            reason = self._kv.get(key).decode(errors="replace")
-            raise WeightSyncError(f"{self.name}: the trainer aborted the update: {reason}", peer=TRAINER, bucket=index)
+        _store.raise_if_aborted(self._kv, f"{self._token}/abort", self.name, index)
 
     def recv_bucket(self, index: int, nbytes: int) -> tuple[BucketHeader, torch.Tensor]:
         with _store.trainer_link(index):

@@ -234,6 +234,13 @@ def report_failure(store: dist.Store, rank: int, reason: str) -> None:
         logger.debug("could not report the failure of rank %d", rank, exc_info=True)
 
 
+def raise_if_aborted(store: dist.Store, key: str, kind: str, bucket: int | None) -> None:
+    """Raise the receiver's WeightSyncError if the trainer posted an abort under ``key``."""
+    if store.check([key]):
+        reason = store.get(key).decode(errors="replace")
+        raise WeightSyncError(f"{kind}: the trainer aborted the update: {reason}", peer=TRAINER, bucket=bucket)
+
+
 def _short(exc: BaseException) -> str:
     text = str(exc).split(". This is typically")[0]
     return f"{type(exc).__name__}: {text[:300]}"

@@ -275,10 +275,7 @@ class _BroadcastReceiver(TransportReceiver):
     def _check(self, index: int | None) -> None:
         assert self._beat is not None
         self._beat.check()
-        key = f"abort/{self._token}"
-        if self._kv.check([key]):
-            reason = self._kv.get(key).decode(errors="replace")
-            raise WeightSyncError(f"{self.kind}: the trainer aborted the update: {reason}", peer=TRAINER, bucket=index)
+        _store.raise_if_aborted(self._kv, f"abort/{self._token}", self.kind, index)
 
     def begin(self, manifest: WeightManifest) -> None:
         with _store.trainer_link(0):
