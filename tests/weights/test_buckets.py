@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
-from rollout_engines.weights.buckets import BucketHeader, alloc_bucket, bucket_views, checksum, pack_bucket
+from rollout_engines.weights.buckets import (
+    BucketHeader,
+    alloc_bucket,
+    bucket_views,
+    check_bucket_tensors,
+    checksum,
+    checksum_tensors,
+    pack_bucket,
+)
 from rollout_engines.weights.manifest import ALIGN, TensorSpec, plan_manifest, specs_of, validate_manifest
 from rollout_engines.weights.transports import _store
 from rollout_engines.weights.transports.broadcast import _decode, _encode
@@ -61,6 +69,24 @@ def test_checksum_detects_a_flipped_byte_and_odd_lengths():
         bad[pos] ^= 1
         assert checksum(bad) != ref
     assert checksum(buf, "none") == 0
+
+
+def test_tensor_checksum_equals_the_packed_buckets_when_padding_is_zero():
+    """Zero-copy buckets are checked tensor by tensor; with 8-byte-aligned placements and zeroed
+    padding that is the same sum as over the packed buffer, and a changed byte shows."""
+    items = named()
+    m = plan_manifest(specs_of(items), version=1, bucket_bytes=1 << 20)
+    tensors = dict(items)
+    buf = pack_bucket(m, 0, tensors, torch.zeros(m.buckets[0].nbytes, dtype=torch.uint8))
+    srcs = [tensors[p.name] for p in m.bucket_tensors(0)]
+    assert checksum_tensors(srcs) == checksum(buf)
+    changed = [t.clone() for t in srcs]
+    changed[1].view(torch.uint8)[3] ^= 4  # a byte in the tail of an odd-sized tensor
+    assert checksum_tensors(changed) != checksum_tensors(srcs)
+    assert checksum_tensors(srcs, "none") == 0
+    check_bucket_tensors(m, 0, srcs)
+    with pytest.raises(ValueError, match="changed since the manifest"):
+        check_bucket_tensors(m, 0, [srcs[0].double(), *srcs[1:]])
 
 
 @pytest.mark.parametrize("value", [0, 1, -1, 2**63 - 1, -(2**63), 2**63 + 2**55, 12345678901234])

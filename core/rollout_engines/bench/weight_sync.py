@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--path", default=None, help="directory for --transport disk (default: a temp dir)")
     parser.add_argument(
+        "--no-direct", action="store_true",
+        help="cuda_ipc: pack every bucket into the IPC-shared slots instead of letting the receiver "
+        "read the trainer's tensors where they lie (zero-copy, the default where possible)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1,
         help="torch intra-op threads in every benchmark process, baseline included (0: torch's default). "
         "On a shared, oversubscribed CPU each parallel copy waits for descheduled threads; 1 is faster there",
@@ -104,7 +109,10 @@ class BenchReceiverEngine(Engine):
 
     def _extra_info(self) -> dict[str, Any]:
         total = sum(float(t.double().sum()) for t in self.target.tensors.values())
-        return {"checksum": total, "handles_opened": getattr(self.receiver.transport, "opened", None)}
+        return {
+            "checksum": total, "handles_opened": getattr(self.receiver.transport, "opened", None),
+            "timings": self.receiver.last_timings,
+        }
 
     async def _close(self) -> None:
         self.receiver.close()
@@ -223,7 +231,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                              options={"specs": specs, "threads": args.threads}),
                 factory="rollout_engines.bench.weight_sync:BenchReceiverEngine",
             ))
-    options = {"path": args.path} if args.transport == "disk" and args.path else {}
+    options: dict[str, Any] = {"path": args.path} if args.transport == "disk" and args.path else {}
+    if args.transport == "cuda_ipc" and args.no_direct:
+        options["direct"] = False
     try:
         sync = await connect_weight_sync(
             engines, args.transport, bucket_bytes=int(args.bucket_mb * 2**20), timeout_s=args.timeout,
@@ -254,6 +264,12 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if any(o is not None for o in opened):
         result["handles_opened"] = opened
+    result["receiver_timings_last_push"] = infos[0].extra.get("timings") if infos else None
+    exporter = getattr(sync.sender, "_exporter", None)
+    if args.transport == "cuda_ipc":
+        result["direct"] = exporter is not None and exporter.failed is None
+        if exporter is not None and exporter.failed:
+            result["direct_unavailable"] = exporter.failed
     if args.transport == "gloo":
         raw = raw_gloo_broadcast_gbps(nbytes, args.receivers, args.repeats, args.threads)
         result.update(raw_broadcast_gbps=round(raw, 3), ratio_vs_raw=round(gbps / raw, 3))

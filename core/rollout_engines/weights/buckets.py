@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -65,11 +65,7 @@ def pack_bucket(
     dsts, srcs = [], []
     for name, view in bucket_views(buf, manifest.bucket_tensors(index)):
         src = tensors[name]
-        if src.dtype != view.dtype or tuple(src.shape) != tuple(view.shape):
-            raise ValueError(
-                f"tensor '{name}' changed since the manifest was made: "
-                f"{src.dtype}{tuple(src.shape)} vs {view.dtype}{tuple(view.shape)}"
-            )
+        _check_same(name, src, view.dtype, tuple(view.shape))
         dsts.append(view)
         srcs.append(src)
     # One multi-tensor copy per bucket: per-bucket, not per-tensor, launch cost on a GPU.
@@ -77,5 +73,38 @@ def pack_bucket(
     return buf
 
 
+def _check_same(name: str, src: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if src.dtype != dtype or tuple(src.shape) != shape:
+        raise ValueError(
+            f"tensor '{name}' changed since the manifest was made: "
+            f"{src.dtype}{tuple(src.shape)} vs {dtype}{shape}"
+        )
+
+
+def check_bucket_tensors(manifest: WeightManifest, index: int, tensors: Sequence[torch.Tensor]) -> None:
+    """The bucket's tensors (in manifest order) have the manifest's dtypes and shapes."""
+    for p, src in zip(manifest.bucket_tensors(index), tensors, strict=True):
+        _check_same(p.name, src, torch_dtype(p.dtype), tuple(p.shape))
+
+
 def alloc_bucket(nbytes: int, device: torch.device | str = "cpu", pin: bool = False) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+
+
+def checksum_tensors(tensors: Sequence[torch.Tensor], algo: str = "sum64") -> int:
+    """The checksum of a bucket sent as separate tensors (zero-copy transports): the wrapping sum
+    of each tensor's bytes as 64-bit words, added up. Computed on the device with one sync."""
+    if algo == "none" or not tensors:
+        return 0
+    parts: list[torch.Tensor] = []
+    total = 0
+    for t in tensors:
+        raw = t.reshape(-1).view(torch.uint8)
+        n = raw.numel() // 8 * 8
+        if n:
+            parts.append(raw[:n].view(torch.int64).sum())
+        for i, b in enumerate(raw[n:].tolist()):
+            total += b << (8 * i)
+    if parts:
+        total += int(torch.stack(parts).sum().item())
+    return total

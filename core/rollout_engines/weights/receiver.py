@@ -17,13 +17,14 @@ next update works.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Literal, Protocol
 
 import torch
 
 from ..errors import ManifestMismatch, WeightsInvalidated, WeightSyncError
-from .buckets import BucketHeader, bucket_views, checksum
+from .buckets import BucketHeader, bucket_views, checksum, checksum_tensors
 from .manifest import TensorSpec, TransportSpec, WeightManifest, validate_manifest
 from .transport import TransportReceiver
 
@@ -66,6 +67,9 @@ class WeightReceiver:
         self.target, self.device, self.mode, self.label = target, torch.device(device), mode, label
         self.transport: TransportReceiver | None = None
         self.version = 0
+        #: Where the last update's time went (seconds): validate, wait (for buckets), check
+        #: (checksums), apply (copies into the model), total. Benchmarks report it.
+        self.last_timings: dict[str, float] = {}
 
     def connect(self, spec: TransportSpec, local_rank: int = 0) -> None:
         self.close()
@@ -77,37 +81,55 @@ class WeightReceiver:
             raise WeightSyncError(f"{self.label}: no weight transfer initialised; call connect() first")
         transport = self.transport
         rejection: ManifestMismatch | None = None
+        clock = time.perf_counter
+        start = clock()
+        spent = dict.fromkeys(("validate", "wait", "check", "apply"), 0.0)
         try:
             validate_manifest(manifest, self.target.expected_specs())
         except ManifestMismatch as exc:
             rejection = exc
+        spent["validate"] = clock() - start
         transport.begin(manifest)
         staged: list[tuple[str, torch.Tensor]] = []
         applied_any = False
         ok = False
         try:
             for bucket in manifest.buckets:
+                t0 = clock()
                 header, buf = transport.recv_bucket(bucket.index, bucket.nbytes)
+                t1 = clock()
+                spent["wait"] += t1 - t0
                 try:
                     self._check_header(manifest, header, buf)
+                    t0 = clock()
+                    spent["check"] += t0 - t1
                     if rejection is not None:
                         continue  # drain: stay in step with the sender and the other receivers
                     owned = transport.keeps_buffer
-                    if self.mode == "staged" and not owned:
-                        buf, owned = buf.clone(), True
-                    views = list(bucket_views(buf, manifest.bucket_tensors(bucket.index)))
+                    placements = manifest.bucket_tensors(bucket.index)
+                    if isinstance(buf, list):  # shared without packing: views of the sender's tensors
+                        views = [(p.name, t) for p, t in zip(placements, buf, strict=True)]
+                        if self.mode == "staged" and not owned:
+                            views, owned = [(n, t.clone()) for n, t in views], True
+                    else:
+                        if self.mode == "staged" and not owned:
+                            buf, owned = buf.clone(), True
+                        views = list(bucket_views(buf, placements))
                     if self.mode == "inplace":
                         applied_any = True
                         self.target.apply(views, owned=owned)
                     else:
                         staged.extend(views)
+                    spent["apply"] += clock() - t0
                 finally:
                     transport.release(bucket.index)
             if rejection is not None:
                 raise rejection
             if self.mode == "staged":
                 applied_any = True
+                t0 = clock()
                 self.target.apply(staged, owned=True)
+                spent["apply"] += clock() - t0
             ok = True
         except WeightSyncError as exc:
             if applied_any and not isinstance(exc, ManifestMismatch):
@@ -122,21 +144,28 @@ class WeightReceiver:
         finally:
             transport.end(manifest, ok)
         self.version = manifest.version
+        spent["total"] = clock() - start
+        self.last_timings = {k: round(v, 6) for k, v in spent.items()}
         return self.version
 
-    def _check_header(self, manifest: WeightManifest, header: BucketHeader, buf: torch.Tensor) -> None:
+    def _check_header(
+        self, manifest: WeightManifest, header: BucketHeader, buf: torch.Tensor | list[torch.Tensor]
+    ) -> None:
         if header.status == BucketHeader.ABORT:
             raise WeightSyncError(
                 f"{self.label}: the sender aborted update v{manifest.version}: {header.reason}",
                 peer="trainer", bucket=header.index,
             )
         expected = manifest.buckets[header.index].nbytes if header.index < len(manifest.buckets) else -1
-        if header.nbytes != expected or buf.numel() < expected:
+        if header.nbytes != expected or (not isinstance(buf, list) and buf.numel() < expected):
             raise WeightSyncError(
                 f"{self.label}: bucket size {header.nbytes} does not match the manifest's {expected}",
                 peer="trainer", bucket=header.index,
             )
-        got = checksum(buf[: header.nbytes], manifest.checksum)
+        if isinstance(buf, list):
+            got = checksum_tensors(buf, manifest.checksum)
+        else:
+            got = checksum(buf[: header.nbytes], manifest.checksum)
         if got != header.checksum:
             raise WeightSyncError(
                 f"{self.label}: checksum mismatch in update v{manifest.version} "

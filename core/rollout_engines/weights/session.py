@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ..errors import WeightSyncError
-from .buckets import BucketHeader, alloc_bucket, checksum, pack_bucket
+from .buckets import BucketHeader, alloc_bucket, check_bucket_tensors, checksum, checksum_tensors, pack_bucket
 from .manifest import DEFAULT_BUCKET_BYTES, TensorSpec, TransportSpec, WeightManifest, plan_manifest, specs_of
 from .transport import TransportSender
 
@@ -166,7 +166,22 @@ class WeightSync:
                                 f"the tensor iterator ended before '{missing[0]}' (named in the specs)",
                                 bucket=bucket.index,
                             ) from None
-                        pending[name] = tensor.detach()
+                        pending[name] = tensor  # not detached: a new tensor would hide who else holds it
+                    srcs = [pending[n] for n in names]
+                    shared = sender.share_tensors(bucket.index, srcs)
+                    if shared is not None:  # receivers read the tensors where they lie: no packing
+                        check_bucket_tensors(manifest, bucket.index, srcs)
+                        header = BucketHeader(
+                            index=bucket.index, nbytes=bucket.nbytes,
+                            checksum=checksum_tensors(srcs, manifest.checksum),
+                        )
+                        sender.send_shared(header, shared, srcs)
+                        for n in names:
+                            del pending[n]
+                        del srcs
+                        advance(bucket.nbytes)
+                        continue
+                    del srcs
                     own = sender.bucket_buffer(bucket.index, bucket.nbytes) if sender.reuses_buffers else None
                     if own is not None:
                         out = own  # the transport's own slot (shared memory, IPC-shared): no extra copy
@@ -179,7 +194,8 @@ class WeightSync:
                         out = slots[slot]
                     else:
                         out = alloc_bucket(bucket.nbytes, device)
-                    buf = pack_bucket(manifest, bucket.index, pending, out)
+                    with torch.no_grad():
+                        buf = pack_bucket(manifest, bucket.index, pending, out)
                     for n in names:
                         del pending[n]
                     header = BucketHeader(

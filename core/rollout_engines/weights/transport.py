@@ -15,6 +15,7 @@ Rules every transport keeps:
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -57,6 +58,17 @@ class TransportSender(abc.ABC):
     @abc.abstractmethod
     def send_bucket(self, header: BucketHeader, buf: torch.Tensor) -> None: ...
 
+    def share_tensors(self, index: int, tensors: Sequence[torch.Tensor]) -> Any | None:
+        """Optional zero-copy path: describe bucket ``index``'s tensors (in manifest order) so that
+        receivers read them where they lie, or ``None`` to have the session pack them into a
+        buffer and call :meth:`send_bucket` (the default)."""
+        return None
+
+    def send_shared(self, header: BucketHeader, shared: Any, tensors: Sequence[torch.Tensor]) -> None:
+        """Publish a bucket described by :meth:`share_tensors`; the same pipelining rule as
+        :meth:`send_bucket` (``tensors`` must stay untouched until receivers are done with them)."""
+        raise NotImplementedError
+
     def end(self, manifest: WeightManifest) -> None:
         """Called once per update after the last bucket was sent."""
 
@@ -83,9 +95,11 @@ class TransportReceiver(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def recv_bucket(self, index: int, nbytes: int) -> tuple[BucketHeader, torch.Tensor]:
+    def recv_bucket(self, index: int, nbytes: int) -> tuple[BucketHeader, torch.Tensor | list[torch.Tensor]]:
         """Block until bucket ``index`` arrives; return its header and a uint8 buffer that the
-        caller owns until :meth:`release` (fresh or reused, see ``keeps_buffer``)."""
+        caller owns until :meth:`release` (fresh or reused, see ``keeps_buffer``), or, for a bucket
+        the sender shared without packing, one tensor per placement (the manifest's dtypes and
+        shapes) that may be read until :meth:`release`."""
 
     def release(self, index: int) -> None:
         """The caller is done reading bucket ``index`` (lets the sender reuse its slot)."""

@@ -137,6 +137,8 @@ def run_push_benchmark(args: Any) -> dict[str, Any]:
     pushes = max(1, int(_get(args, "pushes", 5)))
     bucket_bytes = int(float(_get(args, "bucket_mb", 512)) * 2**20)
     options = _options(args)
+    transport_options = {k.removeprefix("transport."): v for k, v in options.items() if k.startswith("transport.")}
+    options = {k: v for k, v in options.items() if not k.startswith("transport.")}
     engine = create_engine("vllm", model=str(model), **options)
     try:
         cuda = engine.platform == "cuda"
@@ -157,7 +159,7 @@ def run_push_benchmark(args: Any) -> dict[str, Any]:
 
         async def go() -> tuple[list[float], bool, bool]:
             sync = await connect_weight_sync([engine], transport, bucket_bytes=bucket_bytes, timeout_s=600,
-                                             checksum=_get(args, "checksum", "sum64"))
+                                             checksum=_get(args, "checksum", "sum64"), options=transport_options)
             times: list[float] = []
             try:
                 for i in range(pushes):
@@ -167,6 +169,7 @@ def run_push_benchmark(args: Any) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     await sync.push(tensors, version=engine.weight_version + 1)
                     times.append(time.perf_counter() - t0)
+                    phases.append(_phases(engine, times[-1]))
                     if i == 0:
                         differs = await asyncio.to_thread(fingerprint) != start_print
                 await sync.push(original, version=engine.weight_version + 1)
@@ -175,6 +178,7 @@ def run_push_benchmark(args: Any) -> dict[str, Any]:
                 await sync.close()
             return times, differs, same
 
+        phases: list[dict[str, float]] = []
         times, differs, same = asyncio.run(go())
     finally:
         asyncio.run(engine.close())
@@ -199,7 +203,21 @@ def run_push_benchmark(args: Any) -> dict[str, Any]:
         "copy_plan": bool(options.get("copy_plan", True)) and cuda,
         "checksum": _get(args, "checksum", "sum64"),
         "apply_mode": options.get("weight_apply_mode", "staged"),
+        "transport_options": transport_options,
+        "phases_median_s": {k: round(statistics.median(p[k] for p in phases[1:] or phases), 6)
+                            for k in (phases[0] if phases else {})},
     }
+
+
+def _phases(engine: Any, push_s: float) -> dict[str, float]:
+    """One push's time by phase: the driver's RPC round trip, worker 0's own account of it, the
+    prefix-cache reset after it, and what is left (session, manifest, event-loop hops)."""
+    last = getattr(engine, "last_receive", None) or {}
+    worker = (last.get("workers") or [None])[0] or {}
+    out = {"push": push_s, "rpc": float(last.get("rpc_s", 0.0)), "reset_prefix_cache": float(getattr(engine, "last_reset_s", 0.0))}
+    out.update({f"worker_{k}": float(v) for k, v in worker.items()})
+    out["outside_rpc"] = push_s - out["rpc"] - out["reset_prefix_cache"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--model", default=None)
         p.add_argument("--json", action="store_true")
-        p.add_argument("--option", action="append", default=[], metavar="K=V")
+        p.add_argument("--option", action="append", default=[], metavar="K=V",
+                       help="engine option; 'transport.K=V' sets a weight-transport option (push)")
         if name == "generate":
             p.add_argument("--prompts", type=int, default=64)
             p.add_argument("--prompt-len", type=int, default=32)

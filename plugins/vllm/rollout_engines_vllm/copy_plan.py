@@ -5,7 +5,7 @@ qkv / gate_up slices, TP narrowing), which dominates a colocated push. But for a
 destinations never change. So: run ``load_weights`` once under a ``TorchDispatchMode`` that records
 every ``aten.copy_`` whose source is (a view of) one of the incoming tensors, and remember, per
 checkpoint name, ``(destination view, source size/stride/offset)``. Later pushes replay those copies
-straight from the received bucket views: one ``copy_`` per destination slice, no loader code.
+straight from the received tensors: one multi-tensor copy per bucket, no loader code.
 
 A name whose load did anything the recorder cannot replay (a dtype conversion, a computed value,
 no copy at all) falls back to ``load_weights`` for that name; ``CopyPlan.fallback`` lists them.
@@ -14,6 +14,7 @@ no copy at all) falls back to ``load_weights`` for that name; ``CopyPlan.fallbac
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,9 @@ class CopyPlan:
     copies: dict[str, list[_Copy]] = field(default_factory=dict)
     fallback: set[str] = field(default_factory=set)
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    _views: dict[str, tuple[weakref.ref[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = field(
+        default_factory=dict, repr=False
+    )
 
     def covers(self, name: str, tensor: torch.Tensor) -> bool:
         want = self.shapes.get(name)
@@ -52,18 +56,40 @@ class CopyPlan:
         """Load ``named``: planned names by direct copies, the rest through ``load_weights``.
         Returns how many tensors took the fast path."""
         rest: list[tuple[str, torch.Tensor]] = []
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         fast = 0
+        for name, tensor in named:
+            if not self.covers(name, tensor):
+                rest.append((name, tensor))
+                continue
+            pairs = self._sources(name, tensor)
+            dsts.extend(pairs[0])
+            srcs.extend(pairs[1])
+            fast += 1
         with torch.no_grad():
-            for name, tensor in named:
-                if not self.covers(name, tensor):
-                    rest.append((name, tensor))
-                    continue
-                for c in self.copies[name]:
-                    c.dst.copy_(tensor.as_strided(c.size, c.stride, tensor.storage_offset() + c.offset))
-                fast += 1
+            if dsts:
+                # One multi-tensor copy for every destination slice of the bucket.
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
         if rest:
             load_weights(rest)
         return fast
+
+    def _sources(self, name: str, tensor: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Destination slices and the matching views of ``tensor``. The views are kept while the
+        same tensor object comes back (zero-copy transports hand out the same view of the
+        trainer's memory every update), so a steady push builds no views at all."""
+        hit = self._views.get(name)
+        if hit is not None and hit[0]() is tensor:
+            return hit[1], hit[2]
+        copies = self.copies[name]
+        dsts = [c.dst for c in copies]
+        srcs = [tensor.as_strided(c.size, c.stride, tensor.storage_offset() + c.offset) for c in copies]
+        try:
+            self._views[name] = (weakref.ref(tensor), dsts, srcs)
+        except TypeError:
+            pass
+        return dsts, srcs
 
 
 class _Recorder(TorchDispatchMode):

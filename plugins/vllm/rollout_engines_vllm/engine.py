@@ -425,6 +425,13 @@ class VllmEngine(Engine):
     async def _reset_prefix_cache(self) -> None:
         if "kv_cache" in self._asleep:
             return  # nothing cached while the KV cache is released; wake_up resets it
+        start = time.perf_counter()
+        try:
+            await self._reset_prefix_cache_now()
+        finally:
+            self.last_reset_s = round(time.perf_counter() - start, 6)
+
+    async def _reset_prefix_cache_now(self) -> None:
         llm = self._llm
 
         async def reset() -> None:
@@ -494,7 +501,13 @@ class VllmEngine(Engine):
         # The receive blocks the engine core while buckets arrive; the transports time out per
         # bucket, this bound only catches a worker stuck outside them.
         timeout = manifest.timeout_s * (len(manifest.buckets) + 2)
+        start = time.perf_counter()
         results = await self._rpc("roe_receive_weights", manifest.model_dump_json(), timeout=timeout)
+        #: Where the last push's time went (benchmarks report it): the RPC round trip as the
+        #: driver saw it, and each worker's own account (validate, wait, check, apply, total).
+        self.last_receive = {
+            "rpc_s": round(time.perf_counter() - start, 6), "workers": [r.get("timings") for r in results],
+        }
         try:
             raise_worker_error(results, f"weight update v{manifest.version}", update=True)
         except WeightsInvalidated as exc:

@@ -70,7 +70,9 @@ class VllmWeightTarget:
         return incomplete_groups((t.name for t in manifest.tensors), self._specs, self.packed)
 
     def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
-        if not owned:  # views of a transport slot that the sender overwrites next
+        if not owned and not self.use_copy_plan:
+            # Views of a transport slot (or of the trainer's tensors) that change after this call:
+            # vLLM's loaders may keep what they are given.
             named = [(n, t.clone()) for n, t in named]
         if self.use_reload:
             self.worker.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
@@ -90,6 +92,8 @@ class VllmWeightTarget:
         plan = self.plan = self.plan or CopyPlan()
         new = [(n, t) for n, t in named if n not in plan.shapes]
         known = [(n, t) for n, t in named if n in plan.shapes]
+        if not owned:  # names that go through load_weights get their own copy (see above)
+            known = [(n, t if plan.covers(n, t) else t.clone()) for n, t in known]
         if new:
             # Learn where these names land by loading them once for real. The recorder tells
             # tensors apart by storage and bucket views share one, so they are copied first.
@@ -210,7 +214,7 @@ class WorkerExtension:
                     + ". vLLM loads fused modules whole: send every tensor of a module, or none"
                 )
             version = receiver.receive(manifest)
-            return {"ok": True, "version": version}
+            return {"ok": True, "version": version, "timings": receiver.last_timings}
         except BaseException as exc:
             if not isinstance(exc, ManifestMismatch):
                 logger.warning("weight update failed in worker: %s", exc)

@@ -91,8 +91,11 @@ class SlotSender(TransportSender):
         name, _, view = self._slot(header.index, header.nbytes)
         if buf.data_ptr() != view.data_ptr():
             view[: header.nbytes].copy_(buf[: header.nbytes])
+        self._publish(header, slot=name, size=view.numel())
+
+    def _publish(self, header: BucketHeader, **extra: Any) -> None:
         info = header.model_dump(exclude={"ABORT"})
-        info.update(self._ready(), slot=name, size=view.numel())
+        info.update(self._ready(), **extra)
         self._kv.set(f"{self._token}/ready/{header.index}", json.dumps(info))
         self._unacked.append(header.index)
         while len(self._unacked) > 1:  # the slot of bucket k-1 must be free when we return
@@ -110,6 +113,10 @@ class SlotSender(TransportSender):
         for key in keys:
             self._kv.delete_key(key)
         self._kv.delete_key(f"{self._token}/ready/{index}")
+        self._acked(index)
+
+    def _acked(self, index: int) -> None:
+        """Every receiver is done with bucket ``index``."""
 
     def _late(self, keys: list[str], index: int) -> WeightSyncError:
         missing = [k.rsplit("/", 1)[1] for k in keys if not self._kv.check([k])]
@@ -152,6 +159,7 @@ class SlotReceiver(TransportReceiver):
         self._token = ""
         self._last = -1
         self._used: set[str] = set()
+        self._manifest: WeightManifest | None = None
 
     # -- what a slot is (subclasses) --
     def _open_slot(self, name: str, info: dict[str, Any], index: int) -> tuple[Any, torch.Tensor]:
@@ -171,9 +179,18 @@ class SlotReceiver(TransportReceiver):
         self._kv = _store.session_store(_store.join_store(self.spec.options, self.timeout_s), self.spec.session_id)
         self._beat = _store.Heartbeat(self.spec.options, self.spec.session_id, self.rank, self.timeout_s)
 
+    def _open_shared(self, info: dict[str, Any], index: int) -> list[torch.Tensor]:
+        """Views of tensors the sender shared without packing (see ``share_tensors``)."""
+        raise WeightSyncError(f"{self.name}: the sender shared bucket {index} in a way this receiver cannot read",
+                              peer=TRAINER, bucket=index)
+
+    def _last_release(self) -> None:
+        """Called before the last bucket of an update is acknowledged."""
+
     def begin(self, manifest: WeightManifest) -> None:
         with _store.trainer_link(0):
             self._token, self._last, self._used = manifest.session_id, -1, set()
+            self._manifest = manifest
             _store.report_progress(self._kv, self.rank, -1)
 
     def _check(self, index: int) -> None:
@@ -181,7 +198,7 @@ class SlotReceiver(TransportReceiver):
         self._beat.check()
         _store.raise_if_aborted(self._kv, f"{self._token}/abort", self.name, index)
 
-    def recv_bucket(self, index: int, nbytes: int) -> tuple[BucketHeader, torch.Tensor]:
+    def recv_bucket(self, index: int, nbytes: int) -> tuple[BucketHeader, torch.Tensor | list[torch.Tensor]]:
         with _store.trainer_link(index):
             key = f"{self._token}/ready/{index}"
             _store.poll(
@@ -195,9 +212,12 @@ class SlotReceiver(TransportReceiver):
                 ),
             )
             info = json.loads(self._kv.get(key))
-            name = info.pop("slot")
+            name = info.pop("slot", None)
             extra = {k: info.pop(k) for k in list(info) if k not in BucketHeader.model_fields}
             header = BucketHeader(**info)
+            if name is None:
+                self._last = index
+                return header, self._open_shared(extra, index)
             if name not in self._open:
                 self._open[name] = self._open_slot(name, extra, index)
             tensor = self._open[name][1]
@@ -209,6 +229,8 @@ class SlotReceiver(TransportReceiver):
 
     def release(self, index: int) -> None:
         self._before_ack()
+        if self._manifest is not None and index == len(self._manifest.buckets) - 1:
+            self._last_release()
         with _store.trainer_link(index):
             _store.report_progress(self._kv, self.rank, index)
             self._kv.set(f"{self._token}/ack/{index}/{self.rank}", "1")

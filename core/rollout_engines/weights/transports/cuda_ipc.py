@@ -8,20 +8,28 @@ index of one GPU differs between processes with different ``CUDA_VISIBLE_DEVICES
 not), rebuilds it with its own device index, and keeps it open for every later bucket and update:
 handles are opened once per slot, never per tensor or per bucket.
 
+Zero-copy (the default where possible, ``options={'direct': False}`` to turn it off): when the
+bucket's tensors are ordinary allocations on the trainer's GPU, nothing is packed; the receiver
+maps the allocations that hold them and copies straight out of the trainer's memory (one copy
+instead of two; see :mod:`._cuda_segments`). Otherwise the bucket goes through the slots above.
+
 Ordering: the sender waits for its stream before it publishes a bucket (packing is asynchronous);
 a receiver waits for its stream before it acknowledges one (its copies out of the slot must be
-done before the sender packs the slot again).
+done before the sender packs the slot again, or before the trainer changes its tensors).
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
 from ...errors import WeightSyncError
-from ..manifest import TransportSpec
+from ..buckets import BucketHeader
+from ..manifest import TransportSpec, WeightManifest
+from ._cuda_segments import SegmentExporter, SegmentImporter
 from ._slots import SlotReceiver, SlotSender
 from ._store import TRAINER
 
@@ -52,6 +60,38 @@ class CudaIpcSender(SlotSender):
         self._device = _cuda_device(options.get("device"))
         self._uuid = device_uuid(self._device)
         super().__init__(session_id=session_id, world_size=world_size, timeout_s=timeout_s, options=options)
+        self._exporter = SegmentExporter(self._device) if options.get("direct", True) else None
+        self._held: dict[int, Sequence[torch.Tensor]] = {}
+
+    # -- zero-copy buckets --
+    def share_tensors(self, index: int, tensors: Sequence[torch.Tensor]) -> Any | None:
+        return self._exporter.describe(index, tensors) if self._exporter is not None else None
+
+    def send_shared(self, header: BucketHeader, shared: Any, tensors: Sequence[torch.Tensor]) -> None:
+        self._held[header.index] = tensors  # alive until every receiver copied them
+        self._publish(header, direct=shared)
+
+    def _acked(self, index: int) -> None:
+        self._held.pop(index, None)
+        if self._exporter is not None:
+            self._exporter.acked(index)
+
+    def begin(self, manifest: WeightManifest) -> None:
+        super().begin(manifest)
+        self._held.clear()
+        if self._exporter is not None:
+            self._exporter.begin_push()
+
+    def end(self, manifest: WeightManifest) -> None:
+        super().end(manifest)
+        if self._exporter is not None:
+            self._exporter.end_push()
+
+    def close(self) -> None:
+        super().close()
+        self._held.clear()
+        if self._exporter is not None:
+            self._exporter.close()
 
     def device(self) -> torch.device:
         return self._device
@@ -84,7 +124,32 @@ class CudaIpcReceiver(SlotReceiver):
         dev = _cuda_device(device)
         super().__init__(spec, rank=rank, device=dev)
         self._uuid = device_uuid(dev)
-        self.opened = 0  # handles opened (once per slot); tests and benchmarks read it
+        self.slots_opened = 0  # handles opened (once per slot)
+        self._segments = SegmentImporter(dev)
+
+    @property
+    def opened(self) -> int:
+        """IPC handles opened so far (slots, and the trainer's segments); tests and benchmarks read it."""
+        return self.slots_opened + self._segments.opened
+
+    def begin(self, manifest: WeightManifest) -> None:
+        super().begin(manifest)
+        self._segments.begin()
+
+    def _open_shared(self, info: dict[str, Any], index: int) -> list[torch.Tensor]:
+        if info.get("uuid") != self._uuid:
+            raise WeightSyncError(
+                f"cuda_ipc: the trainer's tensors are on GPU {info.get('uuid')}, this worker is on "
+                f"{self._uuid}; colocate them on one GPU or use 'nccl' across GPUs", peer=TRAINER, bucket=index,
+            )
+        assert self._manifest is not None
+        return self._segments.views(info["direct"], self._manifest.bucket_tensors(index))
+
+    def _last_release(self) -> None:
+        self._segments.finish()
+
+    def _after_detach(self, trainer_gone: bool, names: list[str]) -> None:
+        self._segments.close()
 
     def _open_slot(self, name: str, info: dict[str, Any], index: int) -> tuple[Any, torch.Tensor]:
         key = f"handle/{self._uuid}/{name}"
@@ -97,7 +162,7 @@ class CudaIpcReceiver(SlotReceiver):
         args = list(args)
         args[_DEVICE_ARG] = self.device.index  # this process's index of that GPU
         tensor = rebuild(*args)
-        self.opened += 1
+        self.slots_opened += 1
         return None, tensor
 
     def _close_slot(self, name: str, handle: Any, trainer_gone: bool) -> None:
