@@ -141,3 +141,20 @@ def test_sender_abort_reaches_receiver() -> None:
         receiver.receive(m)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+def test_manifest_crosses_a_process_hop_as_a_layout_string_parsed_once():
+    import pickle
+
+    from rollout_engines.weights.manifest import manifest_from_wire, manifest_to_wire, plan_manifest, specs_of
+
+    named = [(f"w{i}", torch.zeros(4, 3 + i)) for i in range(5)]
+    first = plan_manifest(specs_of(named), version=1, bucket_bytes=1024)
+    second = first.model_copy(update={"version": 2, "session_id": "next"})
+    a = manifest_from_wire(pickle.loads(pickle.dumps(manifest_to_wire(first))))
+    b = manifest_from_wire(pickle.loads(pickle.dumps(manifest_to_wire(second))))
+    assert a == first and b == second and (b.version, b.session_id) == (2, "next")
+    assert b.tensors is a.tensors  # the known layout was reused, not parsed again
+    other = plan_manifest(specs_of(named[:4]), version=3, bucket_bytes=1024)
+    c = manifest_from_wire(manifest_to_wire(other))
+    assert c == other and c.tensors is not a.tensors

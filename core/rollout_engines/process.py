@@ -30,7 +30,7 @@ from typing import Any
 from .engine import Capabilities, Engine
 from .errors import EngineUnavailable, RolloutEnginesError
 from .types import Completion, EngineConfig, EngineInfo, GenerateRequest
-from .weights.manifest import TransportSpec, WeightManifest
+from .weights.manifest import TransportSpec, WeightManifest, manifest_from_wire, manifest_to_wire
 
 logger = logging.getLogger("rollout_engines.process")
 
@@ -161,7 +161,7 @@ class ProcessEngine(Engine):
         await self._call("init_weight_transfer", spec.model_dump(), timeout_s=spec.timeout_s + 30)
 
     async def _receive_weights(self, manifest: WeightManifest) -> None:
-        await self._call("receive_weights", manifest.model_dump(), timeout_s=manifest.timeout_s + 30)
+        await self._call("receive_weights", manifest_to_wire(manifest), timeout_s=manifest.timeout_s + 30)
 
     async def _close_weight_transfer(self) -> None:
         if not self._dead and not self._closed:
@@ -304,7 +304,7 @@ async def _dispatch(engine: Engine, method: str, args: tuple[Any, ...]) -> Any:
     if method == "init_weight_transfer":
         return await engine.init_weight_transfer(TransportSpec(**args[0]))
     if method == "receive_weights":
-        return await engine.receive_weights(WeightManifest(**args[0]))
+        return await engine.receive_weights(manifest_from_wire(args[0]))
     if method == "info":
         return (await engine.info()).model_dump()
     if method in ("sleep", "wake_up", "reset_prefix_cache", "pause", "resume", "close_weight_transfer",

@@ -41,7 +41,7 @@ from rollout_engines.errors import (
     WeightsInvalidated,
 )
 from rollout_engines.types import Completion, EngineConfig, GenerateRequest, SamplingParams
-from rollout_engines.weights.manifest import TransportSpec, WeightManifest
+from rollout_engines.weights.manifest import TransportSpec, WeightManifest, manifest_to_wire
 
 from .plugin import CPU_TRANSPORTS, CUDA_TRANSPORTS, INSTALL_HINT
 
@@ -161,6 +161,10 @@ class VllmEngine(Engine):
         self._thread: threading.Thread | None = None
         self._llm: Any = None
         self._sleep_registered = False
+        # Requests submitted, and how many had been when the prefix cache was last reset: equal
+        # means nothing can be cached, so a reset (O(KV blocks) in vLLM) is skipped.
+        self._submitted = 0
+        self._submitted_at_reset = -1
         self._setup_process_env()
         try:
             import vllm  # noqa: F401
@@ -379,6 +383,7 @@ class VllmEngine(Engine):
         params = [self._vllm_sampling(s, None if s.seed is None else s.seed + i * s.n) for i in range(len(prompts))]
         batch = uuid.uuid4().hex[:12]
         llm = self._llm
+        self._submitted += 1
 
         async def one(i: int) -> Any:
             final = None
@@ -425,16 +430,21 @@ class VllmEngine(Engine):
     async def _reset_prefix_cache(self) -> None:
         if "kv_cache" in self._asleep:
             return  # nothing cached while the KV cache is released; wake_up resets it
+        submitted = self._submitted
+        if submitted == self._submitted_at_reset:
+            self.last_reset_s = 0.0  # nothing generated since the last reset: nothing cached
+            return
         start = time.perf_counter()
         try:
-            await self._reset_prefix_cache_now()
+            if await self._reset_prefix_cache_now():
+                self._submitted_at_reset = submitted
         finally:
             self.last_reset_s = round(time.perf_counter() - start, 6)
 
-    async def _reset_prefix_cache_now(self) -> None:
+    async def _reset_prefix_cache_now(self) -> bool:
         llm = self._llm
 
-        async def reset() -> None:
+        async def reset() -> bool:
             ok = await llm.reset_prefix_cache()
             if ok is False and "reset_running_requests" in inspect.signature(llm.reset_prefix_cache).parameters:
                 # Running requests hold cached blocks: preempt them so nothing computed with the old
@@ -442,8 +452,9 @@ class VllmEngine(Engine):
                 ok = await llm.reset_prefix_cache(reset_running_requests=True)
             if ok is False:
                 logger.warning("vLLM could not reset its prefix cache (blocks still in use)")
+            return ok is not False
 
-        await self._on_loop(reset)
+        return await self._on_loop(reset)
 
     async def _pause(self) -> None:
         llm = self._llm
@@ -502,7 +513,7 @@ class VllmEngine(Engine):
         # bucket, this bound only catches a worker stuck outside them.
         timeout = manifest.timeout_s * (len(manifest.buckets) + 2)
         start = time.perf_counter()
-        results = await self._rpc("roe_receive_weights", manifest.model_dump_json(), timeout=timeout)
+        results = await self._rpc("roe_receive_weights", manifest_to_wire(manifest), timeout=timeout)
         #: Where the last push's time went (benchmarks report it): the RPC round trip as the
         #: driver saw it, and each worker's own account (validate, wait, check, apply, total).
         self.last_receive = {

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from rollout_engines.errors import ManifestMismatch, WeightsInvalidated, WeightSyncError
-from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest
+from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, manifest_from_wire
 from rollout_engines.weights.receiver import WeightReceiver
 
 from .checkpoint import checkpoint_specs, incomplete_groups, resolve_model_dir
@@ -190,14 +190,18 @@ class WorkerExtension:
             logger.warning("weight transfer init failed in worker: %s", exc)
             return error_result(exc)
 
-    def roe_receive_weights(self, manifest_json: str) -> dict[str, Any]:
-        """Receive one update; returns ``{"ok": True, "version": v}`` or the error as a dict."""
+    def roe_receive_weights(self, wire: dict[str, Any] | str) -> dict[str, Any]:
+        """Receive one update (``wire``: :func:`~rollout_engines.weights.manifest.manifest_to_wire`'s
+        form, or a manifest's JSON); returns ``{"ok": True, "version": v}`` or the error as a dict."""
         state = self._roe_state()
         receiver: WeightReceiver | None = state["receiver"]
         if receiver is None:
             return error_result(WeightSyncError("no weight transfer initialised in this worker; connect first"))
         try:
-            manifest = WeightManifest.model_validate_json(manifest_json)
+            if isinstance(wire, str):
+                manifest = WeightManifest.model_validate_json(wire)
+            else:
+                manifest = manifest_from_wire(wire)
             target: VllmWeightTarget = state["target"]
             problems = target.group_problems(manifest)
             if problems:

@@ -63,3 +63,31 @@ def test_plan_skips_tensors_whose_shape_changed() -> None:
     plan = record_copy_plan(_weights(0), model.load_weights)
     assert not plan.covers("q", torch.zeros(4, 8))
     assert plan.covers("q", torch.zeros(8, 8))
+
+
+def test_same_sources_are_replayed_from_a_cuda_graph_and_new_ones_are_not() -> None:
+    """Zero-copy pushes hand the plan the same source tensors every update: the bucket's copies
+    are captured once as a CUDA graph and replayed (in-place changes of the sources arrive); a
+    new source object drops the graphs that read the old one."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reference, planned = FusedLikeVllm().cuda(), FusedLikeVllm().cuda()
+    plan = record_copy_plan([(n, t.cuda()) for n, t in _weights(0)], planned.load_weights)
+    sources = [(n, t.cuda()) for n, t in _weights(1) if n != "scale"]
+    for step in range(4):
+        if step == 3:
+            sources = [(n, t * 2) for n, t in sources]  # new objects
+        else:
+            for _, t in sources:
+                t.add_(1.0)  # the trainer's in-place update
+        plan.apply(sources, planned.load_weights)
+        reference.load_weights(sources)
+        torch.cuda.synchronize()
+        for (name, a), b in zip(planned.named_parameters(), reference.parameters(), strict=True):
+            if name != "scale":
+                assert torch.equal(a, b), (step, name)
+        if step == 1:
+            assert len(plan._graphs) == 1  # captured on the first steady update
+    assert len(plan._graphs) == 0  # step 3 had new sources: the old graph is gone, none yet for them

@@ -194,6 +194,20 @@ async def test_no_stale_prefix_cache_after_push(engine, original, tiny_model):
     assert await tokens(engine, req) == before
 
 
+async def test_prefix_cache_reset_after_a_push_is_skipped_only_when_nothing_was_generated(engine, original, request_):
+    """vLLM's reset walks every KV block (~10 ms on a big GPU): after a push it runs when requests
+    were submitted since the last reset, and is skipped when none were (nothing can be cached)."""
+    await tokens(engine, request_)
+    await push(engine, original, engine.weight_version + 1)
+    assert engine.last_reset_s > 0
+    await push(engine, original, engine.weight_version + 1)
+    assert engine.last_reset_s == 0.0
+    before = await tokens(engine, request_)
+    await push(engine, original, engine.weight_version + 1)
+    assert engine.last_reset_s > 0
+    assert await tokens(engine, request_) == before
+
+
 async def test_multiprocessing_mode_receives_too(tiny_model, original, request_):
     """With VLLM_ENABLE_V1_MULTIPROCESSING=1 the worker runs in a third process (not in vLLM's
     engine-core process); collective_rpc and the gloo group work the same."""

@@ -117,6 +117,9 @@ class SegmentExporter:
         self._close_in: int | None = None  # the bucket of this push that carries the unmap list
         # Tensor objects pushed before (weakly): the same object pushed again lives on.
         self._seen: dict[int, weakref.ref[torch.Tensor]] = {}
+        # Per bucket index: the last description, its tensors (weakly, with their pointers) and
+        # segment bases; reused while the same tensors come back in segments still kept.
+        self._described: dict[int, tuple[list[tuple[weakref.ref[torch.Tensor], int]], dict[str, Any], list[int]]] = {}
 
     def _persistent(self, t: torch.Tensor) -> bool:
         ref = self._seen.get(id(t))
@@ -147,6 +150,9 @@ class SegmentExporter:
         shared this way."""
         if self.failed is not None:
             return None
+        reused = self._reuse(index, tensors)
+        if reused is not None:
+            return self._with_close(index, reused)
         for t in tensors:
             if t.device != self.device or not t.is_contiguous() or t.numel() == 0:
                 return None
@@ -173,9 +179,33 @@ class SegmentExporter:
             logger.info("cuda_ipc: sharing the trainer's tensors directly is not possible (%s); packing buckets", exc)
             return None
         desc: dict[str, Any] = {"segments": segments, "refs": refs}
+        if all(keep for _, _, keep in segments):
+            try:
+                self._described[index] = (
+                    [(weakref.ref(t), t.data_ptr()) for t in tensors], desc, list(position),
+                )
+            except TypeError:
+                pass
+        return self._with_close(index, desc)
+
+    def _reuse(self, index: int, tensors: Sequence[torch.Tensor]) -> dict[str, Any] | None:
+        """The last description of bucket ``index`` if it holds the very same tensors, at the same
+        addresses, in segments still kept (a steady push: no driver call, no lookups)."""
+        hit = self._described.get(index)
+        if hit is None:
+            return None
+        refs, desc, bases = hit
+        if len(refs) != len(tensors) or any(b not in self._kept for b in bases):
+            return None
+        for (ref, ptr), t in zip(refs, tensors, strict=True):
+            if ref() is not t or t.data_ptr() != ptr:
+                return None
+        return desc
+
+    def _with_close(self, index: int, desc: dict[str, Any]) -> dict[str, Any]:
         if self._releasing and self._close_in is None:
             self._close_in = index
-            desc["close"] = [h.hex() for _, h, _ in self._releasing.values()]
+            return {**desc, "close": [h.hex() for _, h, _ in self._releasing.values()]}
         return desc
 
     def begin_push(self) -> None:
@@ -197,7 +227,7 @@ class SegmentExporter:
         self._seen = {k: r for k, r in self._seen.items() if r() is not None}
 
     def close(self) -> None:
-        self._kept, self._releasing, self._bases, self._seen = {}, {}, [], {}
+        self._kept, self._releasing, self._bases, self._seen, self._described = {}, {}, [], {}, {}
 
 
 class SegmentImporter:
