@@ -497,6 +497,21 @@ class VllmEngine(Engine):
     def weight_receivers(self) -> int:
         return len(self._workers)
 
+    def weights_dtype(self) -> str:
+        """The dtype pushes must carry (the engine's, after ``auto`` was resolved)."""
+        return str(self._llm.model_config.dtype).removeprefix("torch.")
+
+    async def weights_fingerprint(self) -> Any:
+        """What tells two weight states apart (benchmarks, tests): every worker's parameter sums on
+        CUDA; on the CPU, where vLLM repacks linear weights out of their parameters, the greedy
+        tokens of a fixed prompt."""
+        if self.platform == "cuda":
+            return await self._rpc("roe_param_checksum")
+        request = GenerateRequest(
+            prompt_token_ids=[[11, 12, 13, 14]], sampling=SamplingParams(temperature=0, max_tokens=8)
+        )
+        return [c.token_ids for c in await self.generate(request)]
+
     async def _init_weight_transfer(self, spec: TransportSpec) -> None:
         from .worker_ext import raise_worker_error
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import sys
 import weakref
 from collections.abc import Sequence
@@ -166,7 +167,7 @@ class SegmentExporter:
                 base, size, handle = self._segment(ptr)
                 if base not in position:
                     position[base] = len(segments)
-                    segments.append([handle.hex(), size, base in self._kept])
+                    segments.append([handle.hex(), size, base in self._kept, base])
                 seg = position[base]
                 if not segments[seg][2] and self._persistent(t):
                     segments[seg][2] = True
@@ -178,8 +179,8 @@ class SegmentExporter:
             self.failed = str(exc)
             logger.info("cuda_ipc: sharing the trainer's tensors directly is not possible (%s); packing buckets", exc)
             return None
-        desc: dict[str, Any] = {"segments": segments, "refs": refs}
-        if all(keep for _, _, keep in segments):
+        desc: dict[str, Any] = {"segments": segments, "refs": refs, "pid": os.getpid()}
+        if all(seg[2] for seg in segments):
             try:
                 self._described[index] = (
                     [(weakref.ref(t), t.data_ptr()) for t in tensors], desc, list(position),
@@ -241,10 +242,16 @@ class SegmentImporter:
         self._seen_now: set[str] = set()
         self._keep_now: set[str] = set()
 
-    def _open(self, handle_hex: str, size: int) -> torch.Tensor:
+    def _open(self, handle_hex: str, size: int, local_base: int | None) -> torch.Tensor:
         have = self._maps.get(handle_hex)
         if have is not None:
             return have[1]
+        if local_base is not None:
+            # The trainer is this process (an engine hosted beside it): its pointer is valid here,
+            # and CUDA refuses to open a process's own IPC handle. Nothing to close later.
+            tensor = torch.as_tensor(_DeviceArray(local_base, size), device=self.device)
+            self._maps[handle_hex] = (0, tensor)
+            return tensor
         drv = _driver()
         if drv is None:
             raise WeightSyncError(
@@ -273,19 +280,20 @@ class SegmentImporter:
         segments, refs = desc["segments"], desc["refs"]
         if len(refs) != len(placements):
             raise WeightSyncError(f"cuda_ipc: {len(refs)} tensor references for {len(placements)} tensors")
-        for handle_hex, _, keep in segments:
-            self._seen_now.add(handle_hex)
-            if keep:
-                self._keep_now.add(handle_hex)
+        local = desc.get("pid") == os.getpid()
+        for seg in segments:
+            self._seen_now.add(seg[0])
+            if seg[2]:
+                self._keep_now.add(seg[0])
         out = []
-        for (seg, offset), p in zip(refs, placements, strict=True):
-            handle_hex, size, _ = segments[seg]
+        for (index, offset), p in zip(refs, placements, strict=True):
+            handle_hex, size, _, base = segments[index]
             key = (handle_hex, offset, p.dtype, tuple(p.shape))
             view = self._views.get(key)
             if view is None:
                 if offset + p.nbytes > size:
                     raise WeightSyncError(f"cuda_ipc: tensor '{p.name}' lies outside its shared segment")
-                flat = self._open(handle_hex, size)[offset : offset + p.nbytes]
+                flat = self._open(handle_hex, size, base if local else None)[offset : offset + p.nbytes]
                 view = self._views[key] = flat.view(torch_dtype(p.dtype)).view(p.shape)
             out.append(view)
         return out
@@ -300,7 +308,7 @@ class SegmentImporter:
         ptr, _ = self._maps.pop(handle_hex)
         self._views = {k: v for k, v in self._views.items() if k[0] != handle_hex}
         drv = _driver()
-        if drv is not None:
+        if drv is not None and ptr:  # 0: this process's own memory, never opened
             try:
                 torch.cuda.current_stream(self.device).synchronize()
                 _ok(drv.cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle")
