@@ -49,3 +49,36 @@ def test_apply_false_leaves_the_environment_alone():
 def test_bad_input_says_what_to_do(kwargs, match):
     with pytest.raises(ValueError, match=match):
         setup_device_env("vllm", environ={}, **kwargs)
+
+
+GUARD_SCRIPT = """
+import os, signal, threading, time
+from rollout_engines.envs import guard_child_failure_signal, install_child_failure_guard
+
+hits = []
+assert install_child_failure_guard()
+box = {}
+# An engine created on a loop thread registers there (where no handler can be installed).
+t = threading.Thread(target=lambda: box.setdefault("unregister", guard_child_failure_signal(lambda: hits.append(1))))
+t.start(); t.join()
+os.kill(os.getpid(), signal.SIGQUIT)
+time.sleep(0.2)
+print("survived", hits, flush=True)
+box["unregister"]()
+os.kill(os.getpid(), signal.SIGQUIT)  # no engine left: the default action ends the process
+time.sleep(2)
+print("still alive", flush=True)
+"""
+
+
+def test_sigquit_guard_protects_while_an_engine_is_registered_and_not_after():
+    """SGLang's failing workers SIGQUIT their parent: with an engine registered (even from another
+    thread) the trainer survives and the engine hears of it; with none, SIGQUIT acts as before."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", GUARD_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert "survived [1]" in proc.stdout, proc.stderr
+    assert "still alive" not in proc.stdout
+    assert proc.returncode == -signal.SIGQUIT

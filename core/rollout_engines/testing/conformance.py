@@ -89,14 +89,18 @@ class EngineSlot:
     @property
     def engine(self) -> Engine:
         if self._engine is None or self._engine.closed:
-            async def create() -> Engine:
-                made = self._factory()
-                if asyncio.iscoroutine(made) or isinstance(made, asyncio.Future):
-                    made = await made
-                assert isinstance(made, Engine), f"make_engine returned {type(made).__name__}, not an Engine"
-                return made
+            # Called on the test's (main) thread, so a backend can install what only the main thread
+            # may (signal handlers); an async factory is awaited on the slot's loop.
+            made = self._factory()
+            if asyncio.iscoroutine(made) or isinstance(made, asyncio.Future):
+                awaitable = made
 
-            self._engine = self.run(create())
+                async def create() -> Any:
+                    return await awaitable
+
+                made = self.run(create())
+            assert isinstance(made, Engine), f"make_engine returned {type(made).__name__}, not an Engine"
+            self._engine = made
         return self._engine
 
     def discard(self) -> None:

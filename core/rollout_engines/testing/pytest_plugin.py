@@ -43,6 +43,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Engines created on a harness's loop thread (the conformance suite's) can only be guarded
+    # against a failing worker's SIGQUIT if the handler is installed here, on the main thread.
+    from ..envs import install_child_failure_guard
+
+    install_child_failure_guard()
     for name, text in STATIC_MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     for name in _backend_names():

@@ -38,8 +38,8 @@ import asyncio
 import importlib.util
 import logging
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 from rollout_engines.engine import Capabilities, Engine
@@ -62,6 +62,9 @@ logger = logging.getLogger("rollout_engines.sglang")
 
 #: Transports received by the host process and relayed to SGLang over CUDA IPC.
 RELAY_TRANSPORTS = ("cuda_ipc", "nccl", "gloo", "shm", "inproc")
+#: How often a request waiting on SGLang checks whether a worker process has failed.
+FAILURE_POLL_S = 0.25
+T = TypeVar("T")
 
 
 class SglangOptions(BaseModel):
@@ -101,6 +104,15 @@ def server_kwargs(config: EngineConfig, opts: SglangOptions) -> dict[str, Any]:
         "enable_memory_saver": True,
         "log_level": opts.log_level,
     }
+    if config.dtype == "float32" and not opts.enable_deterministic_inference:
+        # Seen with SGLang 0.5.17 on an H200: the first request crashes the scheduler with
+        # "rmsnorm ... failed to dispatch data type Float" (sgl_kernel's RMSNorm is half precision).
+        raise CapabilityError(
+            "backend 'sglang' cannot run dtype='float32' on CUDA: SGLang's RMSNorm kernel has no float32 "
+            "path and its scheduler crashes on the first request. Use dtype='bfloat16' or 'float16', or "
+            "enable_deterministic_inference=True (RMSNorm then runs through SGLang's Triton kernels, "
+            "which are not limited to half precision)"
+        )
     if config.max_model_len is not None:
         kw["context_length"] = config.max_model_len
     if config.device is not None:
@@ -202,8 +214,20 @@ class SglangEngine(Engine):
             max_model_len=self.config.max_model_len or self.runtime.context_length,
             max_tokens=request.sampling.max_tokens,
         )
-        outputs = await self.runtime.generate(**translate.generate_kwargs(request, prompts))
+        outputs = await self._unless_failed(self.runtime.generate(**translate.generate_kwargs(request, prompts)))
         return translate.to_completions(outputs, prompts, request.sampling, version)
+
+    async def _unless_failed(self, call: Awaitable[T]) -> T:
+        """Await ``call``, but give up with :class:`EngineUnavailable` once a worker process has
+        failed: SGLang never answers requests that were in flight on a dead scheduler."""
+        task = asyncio.ensure_future(call)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=FAILURE_POLL_S)
+            if done:
+                return task.result()
+            if self._failed:
+                task.cancel()
+                raise EngineUnavailable(self._failed)
 
     # ---- memory and scheduling ------------------------------------------------------------------
     async def _sleep(self, level: int, tags: Sequence[str]) -> None:

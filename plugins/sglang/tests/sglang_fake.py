@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,6 +48,7 @@ class FakeSglangRuntime:
         self.fail_disk = False
         self._updates = 0
         self.shut_down = False
+        self.hang = False
 
     # ---- generation ----------------------------------------------------------------------------
     def fingerprint(self) -> int:
@@ -54,6 +57,8 @@ class FakeSglangRuntime:
     async def generate(self, *, input_ids: list[list[int]], sampling_params: list[dict], **kw: Any) -> list[dict]:
         if self.released:
             raise RuntimeError(f"memory released ({sorted(self.released)}): SGLang would crash or read garbage")
+        if self.hang:  # a scheduler that died mid-request: SGLang never answers it
+            await asyncio.Event().wait()
         self.generate_calls.append({"input_ids": input_ids, "sampling_params": sampling_params, **kw})
         fp, outs = self.fingerprint(), []
         for k, (ids, sp) in enumerate(zip(input_ids, sampling_params, strict=True)):

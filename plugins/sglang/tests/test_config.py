@@ -31,3 +31,14 @@ def test_cpu_device_is_refused_with_the_fix() -> None:
         server_kwargs(EngineConfig(backend="sglang", model="/m", device="cpu"), SglangOptions())
     with pytest.raises(ValueError):
         SglangOptions.model_validate({"mem_fraction_static": 1.5})
+
+
+def test_float32_is_refused_unless_rmsnorm_runs_through_the_triton_kernels() -> None:
+    """SGLang's CUDA RMSNorm kernel is half precision only: the scheduler would crash on the first
+    request (and take the trainer down with its SIGQUIT); the engine refuses it up front."""
+    from rollout_engines.errors import CapabilityError
+
+    with pytest.raises(CapabilityError, match="dtype='bfloat16'"):
+        server_kwargs(EngineConfig(backend="sglang", model="/m", dtype="float32"), SglangOptions())
+    kw = server_kwargs(EngineConfig(backend="sglang", model="/m", dtype="bfloat16"), SglangOptions())
+    assert kw["dtype"] == "bfloat16"

@@ -180,3 +180,29 @@ async def test_request_features_and_controls(tiny_model) -> None:
     assert fake.flushes == flushes + 1
     await engine.close()
     assert fake.shut_down
+
+
+async def test_requests_in_flight_on_a_failed_worker_get_a_clear_error_not_a_hang(tiny_model) -> None:
+    """A scheduler that dies mid-request never answers it (seen on a GPU: the first float32 request
+    crashed SGLang's scheduler). Once the worker's SIGQUIT arrives, waiting requests fail fast."""
+    import asyncio
+    import time
+
+    from rollout_engines.errors import EngineUnavailable
+
+    engine, fake = make(tiny_model)
+    try:
+        fake.hang = True
+        waiting = asyncio.ensure_future(engine.generate(GREEDY))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        start = time.monotonic()
+        engine._on_worker_failure()  # what the SIGQUIT guard calls
+        with pytest.raises(EngineUnavailable, match="worker process failed"):
+            await asyncio.wait_for(waiting, timeout=5)
+        assert time.monotonic() - start < 2
+        with pytest.raises(EngineUnavailable):
+            await engine.generate(GREEDY)
+        assert not await engine.health()
+    finally:
+        await engine.close()
