@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
