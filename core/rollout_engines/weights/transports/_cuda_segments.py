@@ -256,7 +256,7 @@ class SegmentImporter:
         if drv is None:
             raise WeightSyncError(
                 "cuda_ipc: the trainer shares its tensors directly, but this worker lacks cuda-bindings; "
-                "install it (pip install "rollout-engines[cuda]") or connect with options={'direct': False}"
+                "install it (pip install 'rollout-engines[cuda]') or connect with options={'direct': False}"
             )
         _ensure_context(self.device.index or 0)
         handle = _make_handle(drv, bytes.fromhex(handle_hex))
