@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 
 import pytest
@@ -38,14 +39,15 @@ def receiver_main(conn, spec: dict, shapes: dict) -> None:
     receiver.close()
 
 
-async def test_cuda_ipc_push_lands_whole_and_opens_each_slot_once():
+@contextlib.asynccontextmanager
+async def receiver_process(state: dict, options: dict):
+    """A sender in this process and a receiver process holding parameters shaped like ``state``;
+    yields ``push(named, version) -> (parameter sums there, IPC handles it opened so far)``."""
     from rollout_engines.plugins import get_registry
     from rollout_engines.weights.session import WeightSync
 
-    torch.manual_seed(0)
-    state = {f"w{i}": torch.randn(256, 1024, device="cuda:0") for i in range(40)}  # 40 MiB
     cls = get_registry().transport("cuda_ipc").load_sender()
-    sender = cls(session_id="ipc-test", world_size=2, timeout_s=60, options={"direct": False})
+    sender = cls(session_id="ipc-test", world_size=2, timeout_s=60, options=options)
     spec = TransportSpec(transport="cuda_ipc", session_id="ipc-test", world_size=2, timeout_s=60,
                          options=sender.spec_options())
     ctx = mp.get_context("spawn")
@@ -57,74 +59,59 @@ async def test_cuda_ipc_push_lands_whole_and_opens_each_slot_once():
         assert await asyncio.to_thread(conn.recv) == "connected"
         sync = WeightSync([], sender, transport="cuda_ipc", bucket_bytes=4 * 2**20, timeout_s=60,
                           checksum="sum64", progress=False)
-        for version, scale in ((1, 1.0), (2, -2.0)):
-            named = {n: t * scale for n, t in state.items()}
+
+        async def push(named: dict, version: int):
             manifest = plan_manifest(specs_of(list(named.items())), version=version, bucket_bytes=4 * 2**20,
                                      transport="cuda_ipc", timeout_s=60)
-            assert len(manifest.buckets) == 10
             conn.send(manifest.model_dump())
             await asyncio.to_thread(sync._stream, manifest, iter(named.items()))
             sums, opened = await asyncio.to_thread(conn.recv)
             for n, t in named.items():
                 assert sums[n] == pytest.approx(float(t.double().sum()), rel=1e-6, abs=1e-3)
-            assert opened == 2  # two slots, each opened once, across 20 buckets and 2 updates
+            return manifest, opened
+
+        push.sender = sender  # type: ignore[attr-defined]
+        yield push
         conn.send(None)
     finally:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
         sender.close()
+
+
+async def test_cuda_ipc_push_lands_whole_and_opens_each_slot_once():
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(256, 1024, device="cuda:0") for i in range(40)}  # 40 MiB
+    async with receiver_process(state, {"direct": False}) as push:
+        for version, scale in ((1, 1.0), (2, -2.0)):
+            manifest, opened = await push({n: t * scale for n, t in state.items()}, version)
+            assert len(manifest.buckets) == 10
+            assert opened == 2  # two slots, each opened once, across 20 buckets and 2 updates
 
 
 async def test_zero_copy_push_reads_the_trainers_tensors_and_keeps_only_live_segments_mapped():
     """Direct (zero-copy) buckets: right values; tensors the trainer keeps (the same dict pushed
     again) stay mapped, so later pushes open nothing; temporaries are unmapped after each push;
     the sender's tensors changing between pushes is seen by the next push."""
-    from rollout_engines.plugins import get_registry
-    from rollout_engines.weights.session import WeightSync
     from rollout_engines.weights.transports import _cuda_segments
 
     if not _cuda_segments.available():
         pytest.skip("zero-copy cuda_ipc needs cuda-bindings")
     torch.manual_seed(0)
     state = {f"w{i}": torch.randn(256, 1024, device="cuda:0") for i in range(40)}  # 40 MiB
-    cls = get_registry().transport("cuda_ipc").load_sender()
-    sender = cls(session_id="ipc-direct", world_size=2, timeout_s=60, options={})
-    spec = TransportSpec(transport="cuda_ipc", session_id="ipc-direct", world_size=2, timeout_s=60,
-                         options=sender.spec_options())
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(child, spec.model_dump(), {n: tuple(t.shape) for n, t in state.items()}))
-    proc.start()
-    try:
-        sender.connect()
-        assert await asyncio.to_thread(conn.recv) == "connected"
-        sync = WeightSync([], sender, transport="cuda_ipc", bucket_bytes=4 * 2**20, timeout_s=60,
-                          checksum="sum64", progress=False)
+    async with receiver_process(state, {}) as push:
         opened_after = []
         for version in range(1, 6):
             if version == 4:
                 for t in state.values():
                     t.mul_(-0.5)  # the trainer's step: in place, as an optimizer does
             named = state if version != 5 else {n: t * 3 for n, t in state.items()}  # 5: temporaries
-            manifest = plan_manifest(specs_of(list(named.items())), version=version, bucket_bytes=4 * 2**20,
-                                     transport="cuda_ipc", timeout_s=60)
-            conn.send(manifest.model_dump())
-            await asyncio.to_thread(sync._stream, manifest, iter(named.items()))
-            sums, opened = await asyncio.to_thread(conn.recv)
-            for n, t in named.items():
-                assert sums[n] == pytest.approx(float(t.double().sum()), rel=1e-6, abs=1e-3)
-            opened_after.append(opened)
-        assert sender._exporter.failed is None
+            opened_after.append((await push(named, version))[1])
+        assert push.sender._exporter.failed is None
         assert opened_after[0] >= 1  # no slot: the trainer's own segments
         assert opened_after[2] == opened_after[1] == opened_after[3]  # kept mapped: nothing reopened
         assert opened_after[4] > opened_after[3]  # temporaries live in other memory
-        conn.send(None)
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-        sender.close()
 
 
 @pytest.mark.transformers

@@ -38,15 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "push also pays the engine's prefix-cache reset")
 
 
-def _get(args: Any, name: str, default: Any) -> Any:
+def arg(args: Any, name: str, default: Any) -> Any:
+    """``args.name`` (an argparse namespace) or ``args[name]`` (a dict), ``default`` when unset."""
     value = args.get(name) if isinstance(args, dict) else getattr(args, name, None)
     return default if value is None else value
 
 
 def parse_options(args: Any) -> dict[str, Any]:
     """``--option K=V`` pairs (values parsed as JSON where they parse) plus an ``options`` dict."""
-    out: dict[str, Any] = dict(_get(args, "options", {}))
-    for item in _get(args, "option", []):
+    out: dict[str, Any] = dict(arg(args, "options", {}))
+    for item in arg(args, "option", []):
         key, _, value = item.partition("=")
         try:
             out[key] = json.loads(value)
@@ -79,23 +80,23 @@ def run(args: Any) -> dict[str, Any]:
     from ..weights.checkpoint import load_checkpoint, perturbed
     from ..weights.session import connect_weight_sync
 
-    backend = _get(args, "backend", "vllm")
-    model = _get(args, "model", None)
+    backend = arg(args, "backend", "vllm")
+    model = arg(args, "model", None)
     if model is None:
         from ..testing.tiny_model import tiny_model_path
 
         model = str(tiny_model_path())
-    pushes = max(1, int(_get(args, "pushes", 6)))
-    between = bool(_get(args, "generate_between", False))
-    bucket_bytes = int(float(_get(args, "bucket_mb", 512)) * 2**20)
-    checksum = _get(args, "checksum", "sum64")
+    pushes = max(1, int(arg(args, "pushes", 6)))
+    between = bool(arg(args, "generate_between", False))
+    bucket_bytes = int(float(arg(args, "bucket_mb", 512)) * 2**20)
+    checksum = arg(args, "checksum", "sum64")
     options = parse_options(args)
     transport_options = {k.removeprefix("transport."): v for k, v in options.items() if k.startswith("transport.")}
     options = {k: v for k, v in options.items() if not k.startswith("transport.")}
     engine = create_engine(backend, model=str(model), **options)
     try:
         gpu = getattr(engine, "platform", "cuda" if torch.cuda.is_available() else "cpu") == "cuda"
-        transport = _get(args, "transport", None) or ("cuda_ipc" if gpu else "shm")
+        transport = arg(args, "transport", None) or ("cuda_ipc" if gpu else "shm")
         dtype_of = getattr(engine, "weights_dtype", None)
         dtype = dtype_of() if dtype_of is not None else (engine.config.dtype if engine.config.dtype != "auto" else None)
         if isinstance(dtype, str):

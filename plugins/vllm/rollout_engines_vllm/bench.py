@@ -15,22 +15,8 @@ import statistics
 import time
 from typing import Any
 
-
-def _get(args: Any, name: str, default: Any) -> Any:
-    value = args.get(name) if isinstance(args, dict) else getattr(args, name, None)
-    return default if value is None else value
-
-
-def _options(args: Any) -> dict[str, Any]:
-    """``--option K=V`` pairs (values parsed as JSON where they parse) plus an ``options`` dict."""
-    out: dict[str, Any] = dict(_get(args, "options", {}))
-    for item in _get(args, "option", []):
-        key, _, value = item.partition("=")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
+from rollout_engines.bench.push import arg as _get
+from rollout_engines.bench.push import parse_options as _options
 
 
 def run_generate_benchmark(engine_cls: Any, args: Any) -> dict[str, Any]:
