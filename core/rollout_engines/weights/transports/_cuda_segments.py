@@ -199,7 +199,8 @@ class SegmentExporter:
         if len(refs) != len(tensors) or any(b not in self._kept for b in bases):
             return None
         for (ref, ptr), t in zip(refs, tensors, strict=True):
-            if ref() is not t or t.data_ptr() != ptr:
+            held = ref()
+            if held is None or held is not t or held.data_ptr() != ptr:
                 return None
         return desc
 
