@@ -125,8 +125,8 @@ async def test_transformers_engine_on_gpu_receives_over_cuda_ipc(tiny_model):
     engine = ProcessEngine(EngineConfig(backend="transformers", model=str(tiny_model), dtype="float32", device="cuda:0"))
     try:
         before = [c.token_ids for c in await engine.generate(greedy)]
-        new = {k: v.cuda() for k, v in tiny_state(str(tiny_model), noise=1.0).items()}
-        orig = {k: v.cuda() for k, v in tiny_state(str(tiny_model)).items()}
+        new = {k: v.to(where) for k, v in tiny_state(str(tiny_model), noise=1.0).items()}
+        orig = {k: v.to(where) for k, v in tiny_state(str(tiny_model)).items()}
         sync = await connect_weight_sync([engine], "cuda_ipc", bucket_bytes=2**20, timeout_s=60)
         await sync.push(new, version=1)
         assert [c.token_ids for c in await engine.generate(greedy)] != before
@@ -138,9 +138,11 @@ async def test_transformers_engine_on_gpu_receives_over_cuda_ipc(tiny_model):
 
 
 @pytest.mark.transformers
-async def test_engine_in_the_trainers_own_process_receives_over_cuda_ipc(tiny_model):
+@pytest.mark.parametrize("where", ["gpu", "cpu"])
+async def test_engine_in_the_trainers_own_process_receives_over_cuda_ipc(tiny_model, where):
     """CUDA refuses to open a process's own IPC handle: an engine hosted in the trainer's process
-    reads the trainer's tensors through their pointers instead."""
+    reads the trainer's tensors through their pointers (``gpu``: zero-copy) or the sender's
+    bucket slot itself (``cpu``: tensors packed into the slot)."""
     from rollout_engines import EngineConfig, GenerateRequest, SamplingParams, create_engine
     from rollout_engines.weights.session import connect_weight_sync
     from wsync_helpers import tiny_state
@@ -149,8 +151,8 @@ async def test_engine_in_the_trainers_own_process_receives_over_cuda_ipc(tiny_mo
     engine = create_engine(EngineConfig(backend="transformers", model=str(tiny_model), dtype="float32", device="cuda:0"))
     try:
         before = [c.token_ids for c in await engine.generate(greedy)]
-        new = {k: v.cuda() for k, v in tiny_state(str(tiny_model), noise=1.0).items()}
-        orig = {k: v.cuda() for k, v in tiny_state(str(tiny_model)).items()}
+        new = {k: v.to(where) for k, v in tiny_state(str(tiny_model), noise=1.0).items()}
+        orig = {k: v.to(where) for k, v in tiny_state(str(tiny_model)).items()}
         sync = await connect_weight_sync([engine], "cuda_ipc", bucket_bytes=2**20, timeout_s=60)
         for _ in range(2):
             await sync.push(new, version=engine.weight_version + 1)

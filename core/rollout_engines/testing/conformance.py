@@ -237,10 +237,13 @@ class ConformanceBase:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def original_weights(cls, model_path: str) -> dict[str, Any]:
+    def original_weights(cls, model_path: str, engine_config: EngineConfig) -> dict[str, Any]:
+        """The checkpoint in the dtype the engine runs in (what a trainer would send it)."""
+        from ..weights.buckets import torch_dtype
         from ..weights.checkpoint import load_checkpoint
 
-        return load_checkpoint(model_path)
+        dtype = engine_config.dtype
+        return load_checkpoint(model_path, None if dtype in (None, "auto") else torch_dtype(dtype))
 
     @pytest.fixture(scope="class")
     @classmethod

@@ -212,12 +212,14 @@ class SlotReceiver(TransportReceiver):
                 ),
             )
             info = json.loads(self._kv.get(key))
-            name = info.pop("slot", None)
-            extra = {k: info.pop(k) for k in list(info) if k not in BucketHeader.model_fields}
-            header = BucketHeader(**info)
-            if name is None:
-                self._last = index
-                return header, self._open_shared(extra, index)
+        # Opening is not a store operation: its errors (e.g. from the device) keep their own names.
+        name = info.pop("slot", None)
+        extra = {k: info.pop(k) for k in list(info) if k not in BucketHeader.model_fields}
+        header = BucketHeader(**info)
+        if name is None:
+            self._last = index
+            return header, self._open_shared(extra, index)
+        with _store.trainer_link(index):
             if name not in self._open:
                 self._open[name] = self._open_slot(name, extra, index)
             tensor = self._open[name][1]

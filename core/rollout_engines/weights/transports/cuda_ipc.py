@@ -20,7 +20,9 @@ done before the sender packs the slot again, or before the trainer changes its t
 
 from __future__ import annotations
 
+import os
 import pickle
+import weakref
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -35,6 +37,10 @@ from ._store import TRAINER
 
 #: Position of the device index in the argument tuple of ``rebuild_cuda_tensor``.
 _DEVICE_ARG = 6
+
+#: Slots made by senders in this process, by name: CUDA refuses to open a process's own IPC
+#: handle, so an engine hosted beside the trainer reads the slot itself.
+_LOCAL_SLOTS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def device_uuid(device: torch.device) -> str:
@@ -100,11 +106,13 @@ class CudaIpcSender(SlotSender):
         from torch.multiprocessing.reductions import reduce_tensor
 
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        _LOCAL_SLOTS[name] = tensor
         rebuild, args = reduce_tensor(tensor)
         self._kv.set(f"handle/{self._uuid}/{name}", pickle.dumps((rebuild, args)))  # type: ignore[arg-type]  # bytes are accepted
         return None, tensor
 
     def _free_slot(self, name: str, handle: Any) -> None:
+        _LOCAL_SLOTS.pop(name, None)
         try:
             self._kv.delete_key(f"handle/{self._uuid}/{name}")
         except Exception:  # the store may be shutting down with us
@@ -112,7 +120,7 @@ class CudaIpcSender(SlotSender):
 
     def _ready(self) -> dict[str, Any]:
         torch.cuda.current_stream(self._device).synchronize()
-        return {"uuid": self._uuid}
+        return {"uuid": self._uuid, "pid": os.getpid()}
 
 
 class CudaIpcReceiver(SlotReceiver):
@@ -158,10 +166,18 @@ class CudaIpcReceiver(SlotReceiver):
                 f"cuda_ipc: the trainer shares its buckets on GPU {info.get('uuid')}, this worker is on "
                 f"{self._uuid}; colocate them on one GPU or use 'nccl' across GPUs", peer=TRAINER, bucket=index,
             )
+        local = _LOCAL_SLOTS.get(name) if info.get("pid") == os.getpid() else None
+        if local is not None:
+            return None, local  # the trainer is this process: no handle to open
         rebuild, args = pickle.loads(self._kv.get(key))
         args = list(args)
         args[_DEVICE_ARG] = self.device.index  # this process's index of that GPU
-        tensor = rebuild(*args)
+        try:
+            tensor = rebuild(*args)
+        except RuntimeError as exc:
+            raise WeightSyncError(
+                f"cuda_ipc: could not open the trainer's bucket buffer on {self.device}: {exc}", peer=TRAINER, bucket=index
+            ) from exc
         self.slots_opened += 1
         return None, tensor
 
