@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-mb", type=float, default=1024.0, help="state dict size in MiB")
     parser.add_argument("--tensors", type=int, default=320)
     parser.add_argument("--receivers", type=int, default=1, help="receiver processes")
-    parser.add_argument("--bucket-mb", type=float, default=256.0)
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help="bucket size in MiB (default: the transport's own default)")
     parser.add_argument("--checksum", default="sum64", choices=["sum64", "none"])
     parser.add_argument("--repeats", type=int, default=3, help="timed pushes (best counts), after one warm-up")
     parser.add_argument("--timeout", type=float, default=600.0)
@@ -236,9 +237,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         options["direct"] = False
     try:
         sync = await connect_weight_sync(
-            engines, args.transport, bucket_bytes=int(args.bucket_mb * 2**20), timeout_s=args.timeout,
+            engines, args.transport, bucket_bytes=int(args.bucket_mb * 2**20) if args.bucket_mb else None,
+            timeout_s=args.timeout,
             checksum=args.checksum, options=options, progress=False,
         )
+        result["bucket_mb"] = sync.bucket_bytes / 2**20
         times, baselines = [], []
         for version in range(args.repeats + 1):
             await sync.push(state, version=version + 1)

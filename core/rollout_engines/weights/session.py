@@ -36,7 +36,7 @@ async def connect_weight_sync(
     engines: Sequence[Engine],
     transport: str = "inproc",
     *,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
     timeout_s: float = 300.0,
     checksum: Literal["sum64", "none"] = "sum64",
     options: dict[str, Any] | None = None,
@@ -52,6 +52,8 @@ async def connect_weight_sync(
     if not engines:
         raise ValueError("connect_weight_sync needs at least one engine")
     sender_cls = get_registry().transport(transport).load_sender()
+    if bucket_bytes is None:  # the transport's own best size, else the core's
+        bucket_bytes = sender_cls.default_bucket_bytes or DEFAULT_BUCKET_BYTES
     counts = [engine.weight_receivers() for engine in engines]
     world_size = 1 + sum(counts)
     session_id = uuid.uuid4().hex[:16]

@@ -31,6 +31,8 @@ class TransportSender(abc.ABC):
     #: Whether senders may reuse a buffer after send_bucket returns (True) or must hand over a
     #: fresh buffer each time (False, e.g. in-process queues that keep a reference).
     reuses_buffers: ClassVar[bool] = True
+    #: Bucket size when the caller names none (``None``: the core's ``DEFAULT_BUCKET_BYTES``).
+    default_bucket_bytes: ClassVar[int | None] = None
 
     def __init__(self, *, session_id: str, world_size: int, timeout_s: float, options: dict[str, Any]):
         self.session_id, self.world_size, self.timeout_s = session_id, world_size, timeout_s

@@ -2,13 +2,22 @@
 
 The shared machinery of ``shm`` (shared-memory segments) and ``cuda_ipc`` (CUDA IPC handles of
 device buffers). The sender owns two slots and hands them to the session as its bucket buffers
-(the session packs straight into them, no extra copy). For bucket ``k`` it publishes
-``<token>/ready/<k>`` (header, slot name) in the session's store; every receiver waits for it,
-reads the slot in place and acknowledges with ``<token>/ack/<k>/<rank>`` once it has copied the
-bucket out. Before a slot is packed again the sender waits for every acknowledgement of the
-bucket that last used it, so ``send_bucket(k)`` returns once bucket ``k-1`` is acknowledged:
-receivers read ``k`` while the trainer packs ``k+1``. A receiver opens each slot once (cached by
-name) and reuses it for every later bucket and update.
+(the session packs straight into them, no extra copy).
+
+Signalling costs a few store round trips per push, not per bucket:
+
+- the sender appends each bucket's description (header, slot name) to one log per update,
+  ``<token>/log``; a receiver reads everything published so far with one ``get`` and waits only
+  when the bucket it needs is not there yet;
+- each receiver acknowledges with one key, ``ack/<rank>`` = ``<token>:<index>``: every bucket up
+  to ``index`` of update ``<token>`` is copied out. A bucket in a slot is acknowledged at once
+  (the sender packs that slot again two buckets later: before a slot is packed again the sender
+  waits for the bucket that last used it, so receivers read ``k`` while the trainer packs
+  ``k+1``). A bucket the receiver reads where the trainer keeps it anyway (zero-copy ``cuda_ipc``
+  of parameters) is marked ``ack: false``: nothing waits for it, and the acknowledgement of the
+  update's last bucket covers it.
+
+A receiver opens each slot once (cached by name) and reuses it for every later bucket and update.
 """
 
 from __future__ import annotations
@@ -40,7 +49,10 @@ class SlotSender(TransportSender):
         self._slots: list[tuple[str, Any, torch.Tensor] | None] = [None, None]
         self._made = 0
         self._token = ""
-        self._unacked: list[int] = []
+        self._unacked: list[int] = []  # published, not yet known to be acknowledged by all
+        self._must: list[int] = []  # of those, the ones receivers acknowledge at once
+        self._acked_upto = -1
+        self._ack_keys = [f"ack/{r}" for r in range(1, world_size)]
 
     # -- what a slot is (subclasses) --
     def _make_slot(self, name: str, nbytes: int) -> tuple[Any, torch.Tensor]:
@@ -84,7 +96,7 @@ class SlotSender(TransportSender):
 
     def begin(self, manifest: WeightManifest) -> None:
         self._token = manifest.session_id
-        self._unacked = []
+        self._unacked, self._must, self._acked_upto = [], [], -1
         self._watch.clear()
 
     def send_bucket(self, header: BucketHeader, buf: torch.Tensor) -> None:
@@ -93,41 +105,59 @@ class SlotSender(TransportSender):
             view[: header.nbytes].copy_(buf[: header.nbytes])
         self._publish(header, slot=name, size=view.numel())
 
-    def _publish(self, header: BucketHeader, **extra: Any) -> None:
+    def _publish(self, header: BucketHeader, *, ack: bool = True, **extra: Any) -> None:
+        """Describe bucket ``header.index`` to the receivers. ``ack``: they acknowledge it at once
+        (its memory is reused or held for them); otherwise the last bucket's acknowledgement covers it."""
         info = header.model_dump(exclude={"ABORT"})
-        info.update(self._ready(), **extra)
-        self._kv.set(f"{self._token}/ready/{header.index}", json.dumps(info))
+        info.update(self._ready(), ack=ack, **extra)
+        self._kv.append(f"{self._token}/log", json.dumps(info) + "\n")
         self._unacked.append(header.index)
-        while len(self._unacked) > 1:  # the slot of bucket k-1 must be free when we return
-            self._wait_acks(self._unacked.pop(0))
+        if ack:
+            self._must.append(header.index)
+            while len(self._must) > 1:  # the slot of the previous such bucket must be free when we return
+                self._wait_acked(self._must.pop(0))
 
-    def _wait_acks(self, index: int) -> None:
-        keys = [f"{self._token}/ack/{index}/{r}" for r in range(1, self.world_size)]
+    def _lowest_ack(self) -> int:
+        """The last bucket of this update that every receiver acknowledged (-1: none yet)."""
+        low = None
+        for value in self._kv.multi_get(self._ack_keys):
+            token, _, index = value.decode().partition(":")
+            got = int(index) if token == self._token else -1
+            low = got if low is None else min(low, got)
+        return -1 if low is None else low
+
+    def _wait_acked(self, index: int) -> None:
+        def done() -> bool:
+            if self._acked_upto < index:
+                low = self._lowest_ack()
+                while self._unacked and self._unacked[0] <= low:
+                    self._acked(self._unacked.pop(0))
+                self._acked_upto = max(self._acked_upto, low)
+            return self._acked_upto >= index
+
         _store.poll(
-            lambda: bool(self._kv.check(keys)),
-            timeout_s=self.timeout_s,
-            check=lambda: self._watch.check(index),
-            on_timeout=lambda: self._late(keys, index),
-            peer="receivers", bucket=index,
+            done, timeout_s=self.timeout_s, check=lambda: self._watch.check(index),
+            on_timeout=lambda: self._late(index), peer="receivers", bucket=index,
         )
-        for key in keys:
-            self._kv.delete_key(key)
-        self._kv.delete_key(f"{self._token}/ready/{index}")
-        self._acked(index)
 
     def _acked(self, index: int) -> None:
         """Every receiver is done with bucket ``index``."""
 
-    def _late(self, keys: list[str], index: int) -> WeightSyncError:
-        missing = [k.rsplit("/", 1)[1] for k in keys if not self._kv.check([k])]
+    def _late(self, index: int) -> WeightSyncError:
+        missing = []
+        for key, value in zip(self._ack_keys, self._kv.multi_get(self._ack_keys), strict=True):
+            token, _, got = value.decode().partition(":")
+            if token != self._token or int(got) < index:
+                missing.append(key.rsplit("/", 1)[1])
         return WeightSyncError(
             f"{self.name}: receiver rank(s) {', '.join(missing)} did not take the bucket within "
             f"{self.timeout_s:.0f} s", peer=f"rank {missing[0]}" if missing else "receivers", bucket=index,
         )
 
     def end(self, manifest: WeightManifest) -> None:
-        while self._unacked:
-            self._wait_acks(self._unacked.pop(0))
+        if self._unacked:
+            self._wait_acked(self._unacked[-1])
+        self._kv.delete_key(f"{self._token}/log")
 
     def abort(self, reason: str) -> None:
         try:
@@ -160,6 +190,9 @@ class SlotReceiver(TransportReceiver):
         self._last = -1
         self._used: set[str] = set()
         self._manifest: WeightManifest | None = None
+        self._infos: dict[int, dict[str, Any]] = {}  # published bucket descriptions not yet taken
+        self._log_read = 0  # bytes of this update's log already parsed
+        self._must_ack: dict[int, bool] = {}
 
     # -- what a slot is (subclasses) --
     def _open_slot(self, name: str, info: dict[str, Any], index: int) -> tuple[Any, torch.Tensor]:
@@ -177,6 +210,7 @@ class SlotReceiver(TransportReceiver):
     # -- protocol --
     def connect(self) -> None:
         self._kv = _store.session_store(_store.join_store(self.spec.options, self.timeout_s), self.spec.session_id)
+        self._kv.set(f"ack/{self.rank}", "-:-1")  # before the first heartbeat: the sender reads it from then on
         self._beat = _store.Heartbeat(self.spec.options, self.spec.session_id, self.rank, self.timeout_s)
 
     def _open_shared(self, info: dict[str, Any], index: int) -> list[torch.Tensor]:
@@ -191,6 +225,7 @@ class SlotReceiver(TransportReceiver):
         with _store.trainer_link(0):
             self._token, self._last, self._used = manifest.session_id, -1, set()
             self._manifest = manifest
+            self._infos, self._log_read, self._must_ack = {}, 0, {}
             _store.report_progress(self._kv, self.rank, -1)
 
     def _check(self, index: int) -> None:
@@ -200,19 +235,20 @@ class SlotReceiver(TransportReceiver):
 
     def recv_bucket(self, index: int, nbytes: int) -> tuple[BucketHeader, torch.Tensor | list[torch.Tensor]]:
         with _store.trainer_link(index):
-            key = f"{self._token}/ready/{index}"
-            _store.poll(
-                lambda: bool(self._kv.check([key])),
-                timeout_s=self.timeout_s,
-                check=lambda: self._check(index),
-                bucket=index,
-                on_timeout=lambda: WeightSyncError(
-                    f"{self.name}: rank {self.rank} got no bucket within {self.timeout_s:.0f} s",
-                    peer=TRAINER, bucket=index,
-                ),
-            )
-            info = json.loads(self._kv.get(key))
+            if index not in self._infos:
+                _store.poll(
+                    lambda: self._read_log(index),
+                    timeout_s=self.timeout_s,
+                    check=lambda: self._check(index),
+                    bucket=index,
+                    on_timeout=lambda: WeightSyncError(
+                        f"{self.name}: rank {self.rank} got no bucket within {self.timeout_s:.0f} s",
+                        peer=TRAINER, bucket=index,
+                    ),
+                )
+            info = self._infos.pop(index)
         # Opening is not a store operation: its errors (e.g. from the device) keep their own names.
+        self._must_ack[index] = bool(info.pop("ack", True))
         name = info.pop("slot", None)
         extra = {k: info.pop(k) for k in list(info) if k not in BucketHeader.model_fields}
         header = BucketHeader(**info)
@@ -229,13 +265,28 @@ class SlotReceiver(TransportReceiver):
             self._used.add(name)
             return header, tensor[: header.nbytes]
 
+    def _read_log(self, index: int) -> bool:
+        """Take the bucket descriptions published since the last look; whether ``index`` is among them."""
+        key = f"{self._token}/log"
+        if not self._log_read and not self._kv.check([key]):
+            return False
+        log = self._kv.get(key)
+        fresh, self._log_read = log[self._log_read:], len(log)
+        for line in fresh.decode().splitlines():
+            info = json.loads(line)
+            self._infos[int(info["index"])] = info
+        return index in self._infos
+
     def release(self, index: int) -> None:
+        last = self._manifest is not None and index == len(self._manifest.buckets) - 1
+        if not (self._must_ack.pop(index, True) or last):
+            return  # read where the trainer keeps it: the last bucket's acknowledgement covers it
         self._before_ack()
-        if self._manifest is not None and index == len(self._manifest.buckets) - 1:
+        if last:
             self._last_release()
         with _store.trainer_link(index):
             _store.report_progress(self._kv, self.rank, index)
-            self._kv.set(f"{self._token}/ack/{index}/{self.rank}", "1")
+            self._kv.set(f"ack/{self.rank}", f"{self._token}:{index}")
 
     def end(self, manifest: WeightManifest, ok: bool) -> None:
         if ok:

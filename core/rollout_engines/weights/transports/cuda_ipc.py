@@ -75,7 +75,10 @@ class CudaIpcSender(SlotSender):
 
     def send_shared(self, header: BucketHeader, shared: Any, tensors: Sequence[torch.Tensor]) -> None:
         self._held[header.index] = tensors  # alive until every receiver copied them
-        self._publish(header, direct=shared)
+        # Tensors the trainer keeps anyway need no acknowledgement before the push ends; holding
+        # temporaries (e.g. gathered shards) for receivers is bounded to two buckets, as slots are.
+        kept = all(seg[2] for seg in shared["segments"])
+        self._publish(header, ack=not kept, direct=shared)
 
     def _acked(self, index: int) -> None:
         self._held.pop(index, None)
