@@ -90,6 +90,24 @@ async def test_cuda_ipc_push_lands_whole_and_opens_each_slot_once():
             assert opened == 2  # two slots, each opened once, across 20 buckets and 2 updates
 
 
+def _rebuild_patched_in_the_trainer_only(*args):  # what a receiver process could not import
+    raise AssertionError("the receiver must rebuild with torch's own function")
+
+
+async def test_slot_handles_travel_without_a_patched_rebuild_function(monkeypatch):
+    """A library in the trainer's process may patch torch's CUDA reductions (SGLang does, with a
+    rebuild function the receiver process cannot import: seen on the H200 when SGLang had run in
+    the same pytest process). Only the handle's arguments travel."""
+    from torch.multiprocessing import reductions
+
+    original = reductions.reduce_tensor
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (_rebuild_patched_in_the_trainer_only, original(t)[1]))
+    state = {f"w{i}": torch.randn(256, 1024, device="cuda:0") for i in range(8)}
+    async with receiver_process(state, {"direct": False}) as push:
+        _, opened = await push(state, 1)
+        assert opened == 2
+
+
 async def test_zero_copy_push_reads_the_trainers_tensors_and_keeps_only_live_segments_mapped():
     """Direct (zero-copy) buckets: right values; tensors the trainer keeps (the same dict pushed
     again) stay mapped, so later pushes open nothing; temporaries are unmapped after each push;
@@ -125,8 +143,8 @@ async def test_transformers_engine_on_gpu_receives_over_cuda_ipc(tiny_model):
     engine = ProcessEngine(EngineConfig(backend="transformers", model=str(tiny_model), dtype="float32", device="cuda:0"))
     try:
         before = [c.token_ids for c in await engine.generate(greedy)]
-        new = {k: v.to(where) for k, v in tiny_state(str(tiny_model), noise=1.0).items()}
-        orig = {k: v.to(where) for k, v in tiny_state(str(tiny_model)).items()}
+        new = {k: v.cuda() for k, v in tiny_state(str(tiny_model), noise=1.0).items()}
+        orig = {k: v.cuda() for k, v in tiny_state(str(tiny_model)).items()}
         sync = await connect_weight_sync([engine], "cuda_ipc", bucket_bytes=2**20, timeout_s=60)
         await sync.push(new, version=1)
         assert [c.token_ids for c in await engine.generate(greedy)] != before
@@ -138,10 +156,10 @@ async def test_transformers_engine_on_gpu_receives_over_cuda_ipc(tiny_model):
 
 
 @pytest.mark.transformers
-@pytest.mark.parametrize("where", ["gpu", "cpu"])
+@pytest.mark.parametrize("where", ["cuda", "cpu"])
 async def test_engine_in_the_trainers_own_process_receives_over_cuda_ipc(tiny_model, where):
     """CUDA refuses to open a process's own IPC handle: an engine hosted in the trainer's process
-    reads the trainer's tensors through their pointers (``gpu``: zero-copy) or the sender's
+    reads the trainer's tensors through their pointers (``cuda``: zero-copy) or the sender's
     bucket slot itself (``cpu``: tensors packed into the slot)."""
     from rollout_engines import EngineConfig, GenerateRequest, SamplingParams, create_engine
     from rollout_engines.weights.session import connect_weight_sync

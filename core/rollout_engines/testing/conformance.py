@@ -125,6 +125,11 @@ def need(engine: Engine, flag: str, why: str = "") -> None:
         pytest.skip(f"backend '{engine.backend_name}' does not declare capability '{flag}'{why}")
 
 
+def seed_if_declared(engine: Engine, seed: int) -> int | None:
+    """``seed`` where the engine honours per-request seeds; None where it would refuse them."""
+    return seed if engine.capabilities.seed else None
+
+
 def pick_transport(engine: Engine) -> str:
     for name in PREFERRED_TRANSPORTS:
         if name in engine.capabilities.transports:
@@ -301,7 +306,7 @@ class GenerationTests(ConformanceBase):
         fixed = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(max_tokens))))
         assert [len(c.token_ids) for c in fixed] == [max_tokens] * len(prompt_ids)
         free = slot.run(engine.generate(GenerateRequest(
-            prompt_token_ids=prompt_ids, sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=3))))
+            prompt_token_ids=prompt_ids, sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed_if_declared(engine, 3)))))
         for c in free:
             assert 1 <= len(c.token_ids) <= max_tokens
             assert c.finish_reason in ("stop", "length")
@@ -338,7 +343,7 @@ class GenerationTests(ConformanceBase):
     def test_sampling_params_shape_the_distribution(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
         # top_k=1 (or a tiny top_p, or min_p=1) leaves only the most likely token: greedy, whatever the temperature.
         for extra in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
-            s = SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True, seed=7, **extra)
+            s = SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True, seed=seed_if_declared(engine, 7), **extra)
             outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=s)))
             assert tokens_of(outs) == reference, f"{extra} should reduce sampling to greedy"
 
@@ -368,7 +373,7 @@ class GenerationTests(ConformanceBase):
 
     def test_logprobs_of_sampled_tokens(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]]) -> None:
         need(engine, "logprobs")
-        s = SamplingParams(temperature=1.0, max_tokens=6, logprobs=1, seed=11)
+        s = SamplingParams(temperature=1.0, max_tokens=6, logprobs=1, seed=seed_if_declared(engine, 11))
         outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=s)))
         for c in outs:
             assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)

@@ -215,7 +215,11 @@ class SglangEngine(Engine):
             max_tokens=request.sampling.max_tokens,
         )
         outputs = await self._unless_failed(self.runtime.generate(**translate.generate_kwargs(request, prompts)))
-        return translate.to_completions(outputs, prompts, request.sampling, version)
+        tokenizer = self.runtime.tokenizer
+        return translate.to_completions(
+            outputs, prompts, request.sampling, version,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        )
 
     async def _unless_failed(self, call: Awaitable[T]) -> T:
         """Await ``call``, but give up with :class:`EngineUnavailable` once a worker process has

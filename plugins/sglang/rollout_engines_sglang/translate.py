@@ -12,7 +12,9 @@ core field                    SGLang
 ``min_p``                     ``min_p``
 ``max_tokens``                ``max_new_tokens``
 ``stop``                      ``stop`` (the matched string is trimmed from the text, as vLLM)
-``stop_token_ids``            ``stop_token_ids``
+``stop_token_ids``            ``stop_token_ids``; with ``ignore_eos`` SGLang skips its stop-token
+                              check entirely, so the ids are not sent and the output is cut
+                              after the first of them here (vLLM's meaning: ignore only EOS)
 ``ignore_eos``                ``ignore_eos``
 ``seed``                      ``sampling_seed`` (honoured only when the engine runs with
                               ``enable_deterministic_inference``; otherwise refused up front)
@@ -27,7 +29,7 @@ core field                    SGLang
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout_engines.errors import InvalidRequest
@@ -49,7 +51,7 @@ def sampling_params(s: SamplingParams) -> dict[str, Any]:
     }
     if s.stop:
         out["stop"] = list(s.stop)
-    if s.stop_token_ids:
+    if s.stop_token_ids and not s.ignore_eos:  # with ignore_eos: cut in to_completions
         out["stop_token_ids"] = list(s.stop_token_ids)
     if s.seed is not None:
         out["sampling_seed"] = s.seed
@@ -125,13 +127,24 @@ def finish_reason(meta_info: Mapping[str, Any]) -> FinishReason:
     return "abort"
 
 
+def cut_at_stop_token(token_ids: list[int], stop_token_ids: Sequence[int]) -> int | None:
+    """Where an output must end (after its first stop token), or None when it has none."""
+    stops = set(stop_token_ids)
+    for i, t in enumerate(token_ids):
+        if t in stops:
+            return i + 1
+    return None
+
+
 def to_completions(
     outputs: Sequence[Mapping[str, Any]] | Mapping[str, Any],
     prompts: Sequence[list[int]],
     sampling: SamplingParams,
     weight_version: int,
+    decode: Callable[[list[int]], str] | None = None,
 ) -> list[Completion]:
-    """SGLang's outputs (one per expanded prompt, in request order) as the core's completions."""
+    """SGLang's outputs (one per expanded prompt, in request order) as the core's completions.
+    ``decode`` renders the text of an output cut at a stop token (see :func:`sampling_params`)."""
     if isinstance(outputs, Mapping):
         outputs = [outputs]
     n = sampling.n
@@ -145,15 +158,22 @@ def to_completions(
             # Entries are (logprob, token_id, text-or-None), one per generated token.
             logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
         prompt_index = k // n
+        token_ids, text, reason = list(out.get("output_ids") or []), out.get("text") or "", finish_reason(meta)
+        cut = cut_at_stop_token(token_ids, sampling.stop_token_ids) if sampling.ignore_eos else None
+        if cut is not None:
+            # As vLLM: the stop token ends the output and is not part of its text.
+            token_ids, reason = token_ids[:cut], "stop"
+            logprobs = logprobs[:cut] if logprobs is not None else None
+            text = decode(token_ids[:-1]) if decode is not None else text
         completions.append(
             Completion(
                 prompt_index=prompt_index,
                 sample_index=k % n,
                 prompt_token_ids=list(prompts[prompt_index]),
-                token_ids=list(out.get("output_ids") or []),
-                text=out.get("text") or "",
+                token_ids=token_ids,
+                text=text,
                 logprobs=logprobs,
-                finish_reason=finish_reason(meta),
+                finish_reason=reason,
                 weight_version=weight_version,
             )
         )

@@ -12,12 +12,12 @@ from rollout_engines_sglang import translate
 def test_every_sampling_field_is_mapped() -> None:
     s = SamplingParams(
         temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, max_tokens=33, stop=["</s>", "\n\n"],
-        stop_token_ids=[2, 7], ignore_eos=True, seed=1234, logprobs=3, n=4,
+        stop_token_ids=[2, 7], ignore_eos=False, seed=1234, logprobs=3, n=4,
     )
     out = translate.sampling_params(s)
     assert out == {
         "temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "max_new_tokens": 33,
-        "stop": ["</s>", "\n\n"], "stop_token_ids": [2, 7], "ignore_eos": True, "sampling_seed": 1234,
+        "stop": ["</s>", "\n\n"], "stop_token_ids": [2, 7], "ignore_eos": False, "sampling_seed": 1234,
         "n": 1,
     }
     assert translate.logprob_kwargs(s) == {"return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 3}
@@ -97,3 +97,21 @@ def test_check_prompts_refuses_what_sglang_cannot_take() -> None:
         translate.check_prompts([[1, 10]], vocab_size=10, max_model_len=None, max_tokens=1)
     with pytest.raises(InvalidRequest, match="exceed the context window of 8"):
         translate.check_prompts([[1, 2, 3]], vocab_size=None, max_model_len=8, max_tokens=6)
+
+
+def test_stop_token_ids_with_ignore_eos_are_cut_here() -> None:
+    """SGLang's ignore_eos turns its whole stop-token check off; the core's meaning (vLLM's) only
+    ignores EOS. So the ids are not sent, and the output ends after the first of them here."""
+    s = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[9, 5], logprobs=0)
+    out = translate.sampling_params(s)
+    assert out["ignore_eos"] is True and "stop_token_ids" not in out
+    full = {"output_ids": [4, 3, 5, 9, 5, 1, 1, 1], "text": "full text",
+            "meta_info": {"finish_reason": {"type": "length"},
+                          "output_token_logprobs": [[-0.1 * i, t, None] for i, t in enumerate([4, 3, 5, 9, 5, 1, 1, 1])]}}
+    (comp,) = translate.to_completions([full], [[1]], s, 3, decode=lambda ids: "|".join(map(str, ids)))
+    assert comp.token_ids == [4, 3, 5] and comp.finish_reason == "stop"
+    assert comp.text == "4|3"  # the stop token is not part of the text, as in vLLM
+    assert comp.logprobs == pytest.approx([0.0, -0.1, -0.2])
+    # No stop token in the output: left as SGLang returned it.
+    (comp,) = translate.to_completions([{**full, "output_ids": [1, 2]}], [[1]], s.model_copy(update={"logprobs": None}), 3)
+    assert comp.token_ids == [1, 2] and comp.finish_reason == "length" and comp.text == "full text"

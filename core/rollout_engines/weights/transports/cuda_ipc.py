@@ -110,8 +110,11 @@ class CudaIpcSender(SlotSender):
 
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
         _LOCAL_SLOTS[name] = tensor
-        rebuild, args = reduce_tensor(tensor)
-        self._kv.set(f"handle/{self._uuid}/{name}", pickle.dumps((rebuild, args)))  # type: ignore[arg-type]  # bytes are accepted
+        # Only the arguments travel, not the rebuild function: a library in this process may have
+        # patched torch's reductions (SGLang does) with functions a receiver cannot import.
+        args = list(reduce_tensor(tensor)[1])
+        args[_DEVICE_ARG] = self._device.index
+        self._kv.set(f"handle/{self._uuid}/{name}", pickle.dumps(tuple(args)))  # type: ignore[arg-type]  # bytes are accepted
         return None, tensor
 
     def _free_slot(self, name: str, handle: Any) -> None:
@@ -172,9 +175,12 @@ class CudaIpcReceiver(SlotReceiver):
         local = _LOCAL_SLOTS.get(name) if info.get("pid") == os.getpid() else None
         if local is not None:
             return None, local  # the trainer is this process: no handle to open
-        rebuild, args = pickle.loads(self._kv.get(key))
-        args = list(args)
+        from torch.multiprocessing import reductions
+
+        args = list(pickle.loads(self._kv.get(key)))
         args[_DEVICE_ARG] = self.device.index  # this process's index of that GPU
+        # torch's own rebuild, also where a library patched it (SGLang keeps the original aside).
+        rebuild = getattr(reductions, "_rebuild_cuda_tensor_original", reductions.rebuild_cuda_tensor)
         try:
             tensor = rebuild(*args)
         except RuntimeError as exc:
