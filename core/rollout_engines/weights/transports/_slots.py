@@ -95,9 +95,18 @@ class SlotSender(TransportSender):
         return self._slot(index, nbytes)[2]
 
     def begin(self, manifest: WeightManifest) -> None:
+        self._drop_log()
         self._token = manifest.session_id
         self._unacked, self._must, self._acked_upto = [], [], -1
-        self._watch.clear()
+        self._watch.clear_if_failed()
+
+    def _drop_log(self) -> None:
+        """Delete the last update's log (at the next update's start, off the push's critical path)."""
+        if self._token:
+            try:
+                self._kv.delete_key(f"{self._token}/log")
+            except Exception:  # the store may be shutting down with us
+                pass
 
     def send_bucket(self, header: BucketHeader, buf: torch.Tensor) -> None:
         name, _, view = self._slot(header.index, header.nbytes)
@@ -157,7 +166,6 @@ class SlotSender(TransportSender):
     def end(self, manifest: WeightManifest) -> None:
         if self._unacked:
             self._wait_acked(self._unacked[-1])
-        self._kv.delete_key(f"{self._token}/log")
 
     def abort(self, reason: str) -> None:
         try:
@@ -173,6 +181,7 @@ class SlotSender(TransportSender):
             self._slots[i] = None
 
     def close(self) -> None:
+        self._drop_log()
         self._drop_slots()
 
 

@@ -99,9 +99,10 @@ def poll(
             if now >= deadline:
                 raise on_timeout()
             time.sleep(nap)
-            # Short naps while the wait is young (a GPU bucket takes well under a millisecond),
-            # then back off so a long wait costs no CPU.
-            nap = min(nap * 2, 2e-4 if now - start < 0.05 else 2e-3)
+            # Short naps while the wait is young (a GPU bucket or a whole zero-copy push takes a
+            # few milliseconds), then back off so a long wait costs no CPU.
+            age = now - start
+            nap = min(nap * 2, 5e-5 if age < 0.02 else 2e-4 if age < 0.1 else 2e-3)
     except WeightSyncError:
         raise
     except Exception as exc:
@@ -201,6 +202,11 @@ class PeerWatch:
                 return exc
             time.sleep(HEARTBEAT_S / 2)
         return WeightSyncError(f"{transport}: send failed: {_short(cause)}", peer="a receiver", bucket=bucket)
+
+    def clear_if_failed(self) -> None:
+        """:meth:`clear` when a failure was reported since the last clear (one round trip otherwise)."""
+        if self.failures() != self.failures_seen:
+            self.clear()
 
     def clear(self) -> None:
         """Forget reported failures (after the group was rebuilt)."""
