@@ -162,6 +162,11 @@ class SglangEngine(Engine):
         self._unguard = None
         self._expected: dict[str, TensorSpec] | None = None
         self._transfer: _Transfer | None = None
+        # Requests submitted, and their count at the last prefix-cache flush: a push with nothing
+        # generated since then has nothing cached to flush (SGLang's flush also empties torch's
+        # allocator cache; it is skipped, as in the vLLM plugin).
+        self._submitted = 0
+        self._submitted_at_flush = -1
         self.runtime: SglangRuntime = runtime if runtime is not None else self._start_runtime()
 
     # ---- start ---------------------------------------------------------------------------------
@@ -214,6 +219,7 @@ class SglangEngine(Engine):
             max_model_len=self.config.max_model_len or self.runtime.context_length,
             max_tokens=request.sampling.max_tokens,
         )
+        self._submitted += 1
         outputs = await self._unless_failed(self.runtime.generate(**translate.generate_kwargs(request, prompts)))
         tokenizer = self.runtime.tokenizer
         return translate.to_completions(
@@ -235,17 +241,23 @@ class SglangEngine(Engine):
 
     # ---- memory and scheduling ------------------------------------------------------------------
     async def _sleep(self, level: int, tags: Sequence[str]) -> None:
+        self._submitted_at_flush = -1  # memory released and restored: always flush afterwards
         await self.runtime.release_memory(list(tags))
 
     async def _wake_up(self, tags: Sequence[str]) -> None:
+        self._submitted_at_flush = -1
         await self.runtime.resume_memory(list(tags))
 
     async def _reset_prefix_cache(self) -> None:
+        submitted = self._submitted
+        if submitted == self._submitted_at_flush:
+            return  # nothing generated since the last flush: nothing cached
         # SGLang refuses to flush while requests run (e.g. paused in place): retry briefly, as a
         # push or wake-up that just finished may race with requests still draining.
         for attempt in range(20):
             try:
                 await self.runtime.flush_cache()
+                self._submitted_at_flush = submitted
                 return
             except Exception as exc:
                 if attempt == 19:

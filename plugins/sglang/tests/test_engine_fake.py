@@ -206,3 +206,23 @@ async def test_requests_in_flight_on_a_failed_worker_get_a_clear_error_not_a_han
         assert not await engine.health()
     finally:
         await engine.close()
+
+
+async def test_a_push_flushes_the_prefix_cache_only_after_generation(tiny_model) -> None:
+    """Nothing generated since the last flush means nothing cached with the old weights: SGLang's
+    flush (which also empties torch's allocator cache) is skipped, as in the vLLM plugin."""
+    engine, fake = make(tiny_model)
+    new, orig = perturbed(checkpoint(tiny_model), seed=5), checkpoint(tiny_model)
+    await engine.generate(GREEDY)
+    flushes = fake.flushes
+    await push(engine, new, version=1)
+    assert fake.flushes == flushes + 1
+    await push(engine, orig, version=2)  # nothing generated in between
+    assert fake.flushes == flushes + 1
+    await engine.generate(GREEDY)
+    await push(engine, new, version=3)
+    assert fake.flushes == flushes + 2
+    await engine.sleep(tags=["kv_cache"])
+    await engine.wake_up()  # memory came back: flushed whatever was generated before
+    assert fake.flushes == flushes + 3
+    await engine.close()
