@@ -1,0 +1,122 @@
+"""The slot transports' signalling (what ``shm`` and ``cuda_ipc`` share) over a real TCPStore.
+
+Buckets read where the trainer keeps them (zero-copy ``cuda_ipc``) exist only on a GPU. Here a
+*fake* sharing sender stands in for that path on the CPU: it marks a bucket as shared instead of
+packing it, and the fake receiver reads the trainer's tensors from a registry in this process.
+Everything else is real: the protocol classes, the store, ``WeightSync``'s streaming,
+``WeightReceiver``'s validation and apply, two receivers on their own threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from rollout_engines.weights.manifest import TransportSpec, WeightManifest, plan_manifest, specs_of
+from rollout_engines.weights.receiver import StateDictTarget, WeightReceiver
+from rollout_engines.weights.session import WeightSync
+from rollout_engines.weights.transports.shm import ShmReceiver, ShmSender
+
+pytestmark = pytest.mark.timeout(120)
+
+_SHARED: dict[str, torch.Tensor] = {}  # "shared memory" of the fake zero-copy path: this process
+
+
+class FakeZeroCopySender(ShmSender):
+    """Shares every bucket where its tensors lie; ``kept`` says whether the trainer keeps them
+    (then receivers acknowledge once per push) or they are temporaries (once per bucket)."""
+
+    def __init__(self, *, kept: bool, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.kept = kept
+        self.acked: list[int] = []
+
+    def share_tensors(self, index: int, tensors: Any) -> Any:
+        keys = []
+        for i, t in enumerate(tensors):
+            keys.append(f"{self.session_id}/{index}/{i}")
+            _SHARED[keys[-1]] = t
+        return {"keys": keys}
+
+    def send_shared(self, header: Any, shared: Any, tensors: Any) -> None:
+        self._publish(header, ack=not self.kept, direct=shared)
+
+    def _acked(self, index: int) -> None:
+        self.acked.append(index)
+
+
+class FakeZeroCopyReceiver(ShmReceiver):
+    def __init__(self, spec: TransportSpec, *, rank: int) -> None:
+        super().__init__(spec, rank=rank)
+        self.acks_sent = 0
+
+    def _open_shared(self, info: dict[str, Any], index: int) -> list[torch.Tensor]:
+        return [_SHARED[k] for k in info["direct"]["keys"]]
+
+    def _before_ack(self) -> None:
+        self.acks_sent += 1
+
+
+def _module() -> torch.nn.Module:
+    return torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+
+
+def _push(sync: WeightSync, receivers: list[WeightReceiver], state: dict[str, torch.Tensor], version: int,
+          bucket_bytes: int) -> WeightManifest:
+    manifest = plan_manifest(specs_of(list(state.items())), version=version, bucket_bytes=bucket_bytes,
+                             transport="shm", timeout_s=30)
+    errors: list[BaseException] = []
+
+    def receive(r: WeightReceiver) -> None:
+        try:
+            r.receive(manifest)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in receivers]
+    for t in threads:
+        t.start()
+    sync._stream(manifest, iter(state.items()))
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    return manifest
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_buckets_the_trainer_keeps_are_acknowledged_once_per_push(kept: bool) -> None:
+    sender = FakeZeroCopySender(kept=kept, session_id=f"proto{int(kept)}", world_size=3, timeout_s=30, options={})
+    spec = TransportSpec(transport="shm", session_id=sender.session_id, world_size=3, timeout_s=30,
+                         options=sender.spec_options())
+    modules = [_module(), _module()]
+    receivers = []
+    for rank, module in enumerate(modules, start=1):
+        r = WeightReceiver(StateDictTarget(module), mode="inplace")
+        r.transport = FakeZeroCopyReceiver(spec, rank=rank)
+        r.transport.connect()
+        receivers.append(r)
+    sender.connect()
+    sync = WeightSync([], sender, transport="shm", bucket_bytes=2048, timeout_s=30, checksum="sum64", progress=False)
+    try:
+        for version in (1, 2):
+            torch.manual_seed(version)
+            state = {k: v.detach().clone() for k, v in _module().state_dict().items()}
+            before = [r.transport.acks_sent for r in receivers]
+            sender.acked.clear()
+            manifest = _push(sync, receivers, state, version, bucket_bytes=2048)
+            n = len(manifest.buckets)
+            assert n >= 6
+            for module in modules:  # every tensor landed in both receivers
+                for name, t in module.state_dict().items():
+                    assert torch.equal(t, state[name]), name
+            sent = [r.transport.acks_sent - b for r, b in zip(receivers, before, strict=True)]
+            # Kept tensors: one acknowledgement per receiver covers the push; temporaries: one per bucket.
+            assert sent == ([1, 1] if kept else [n, n])
+            assert sender.acked == list(range(n))  # every bucket released, in order, once
+            assert all(r.version == version for r in receivers)
+    finally:
+        for r in receivers:
+            r.close()
+        sender.close()
