@@ -77,7 +77,7 @@ class ShmSender(SlotSender):
     name: ClassVar[str] = "shm"
     #: Buckets that fit in a server's last-level cache: the checksum pass after packing, and the
     #: receiver's copy after its checksum, read from cache instead of memory (1 GiB / 320 tensors
-    #: on a 2-core machine: 16-32 MiB pushes ~20% faster than 256 MiB; benchmarks/RESULTS.md).
+    #: on a 2-core machine: 16-32 MiB pushes 10-20% faster than 256 MiB; benchmarks/RESULTS.md).
     default_bucket_bytes: ClassVar[int | None] = 16 * 2**20
 
     def _make_slot(self, name: str, nbytes: int) -> tuple[Any, torch.Tensor]:
