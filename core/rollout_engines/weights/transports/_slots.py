@@ -289,7 +289,11 @@ class SlotReceiver(TransportReceiver):
     def release(self, index: int) -> None:
         last = self._manifest is not None and index == len(self._manifest.buckets) - 1
         if not (self._must_ack.pop(index, True) or last):
-            return  # read where the trainer keeps it: the last bucket's acknowledgement covers it
+            # Read where the trainer keeps it: the last bucket's acknowledgement covers it. The
+            # progress mark (a set, no reply awaited) still names the right bucket if we die.
+            with _store.trainer_link(index):
+                _store.report_progress(self._kv, self.rank, index)
+            return
         self._before_ack()
         if last:
             self._last_release()
