@@ -128,6 +128,8 @@ class SlotSender(TransportSender):
 
     def _lowest_ack(self) -> int:
         """The last bucket of this update that every receiver acknowledged (-1: none yet)."""
+        if not self._ack_keys:  # no receivers: nothing to wait for
+            return 1 << 62
         low = None
         for value in self._kv.multi_get(self._ack_keys):
             token, _, index = value.decode().partition(":")
