@@ -69,6 +69,9 @@ class Engine(abc.ABC):
     #: Drop cached prefixes after waking (stale KV after wake gives garbage, vllm#17103). Engines
     #: made of engines (EngineGroup) leave it to their members.
     reset_prefix_cache_on_wake: ClassVar[bool] = True
+    #: The backend's own ``_wake_up``/``_receive_weights`` already reset the prefix cache by the
+    #: rules above (an engine in another process that runs this core): not asked twice.
+    resets_cache_itself: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -204,7 +207,7 @@ class Engine(abc.ABC):
         if todo:
             await self._wake_up(todo)
             self._asleep.difference_update(todo)
-            if self.reset_prefix_cache_on_wake:
+            if self.reset_prefix_cache_on_wake and not self.resets_cache_itself:
                 await self._reset_prefix_cache()
 
     async def reset_prefix_cache(self) -> None:
@@ -264,7 +267,8 @@ class Engine(abc.ABC):
             )
         self.weight_version = manifest.version
         self._weights_invalid = None
-        await self._reset_prefix_cache()
+        if not self.resets_cache_itself:
+            await self._reset_prefix_cache()
         return self.weight_version
 
     async def close_weight_transfer(self) -> None:

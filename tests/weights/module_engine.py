@@ -45,6 +45,13 @@ class ModuleEngine(Engine):
         self.receiver = WeightReceiver(
             StateDictTarget(self.net), mode=config.options.get("mode", "staged"), label="module engine"
         )
+        self.cache_resets = 0  # a real engine drops its prefix cache here; this one counts
+
+    async def _reset_prefix_cache(self) -> None:
+        self.cache_resets += 1
+
+    def _extra_info(self) -> dict[str, int]:
+        return {"cache_resets": self.cache_resets}
 
     async def _generate(self, request: GenerateRequest) -> list[Completion]:
         assert request.prompt_token_ids is not None

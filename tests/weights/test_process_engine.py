@@ -12,6 +12,7 @@ from rollout_engines import EngineConfig
 from rollout_engines.errors import EngineUnavailable, WeightSyncError
 from rollout_engines.process import ProcessEngine
 from rollout_engines.weights.manifest import plan_manifest, specs_of
+from rollout_engines.weights.session import connect_weight_sync
 from wsync_helpers import PROMPTS, module_engine_process, outputs, state
 
 pytestmark = pytest.mark.timeout(120)
@@ -51,3 +52,21 @@ async def test_dead_child_gives_engine_unavailable_not_a_hang():
 def test_start_up_failure_is_reported_with_its_type():
     with pytest.raises(AttributeError, match="NoSuchEngine"):
         ProcessEngine(EngineConfig(backend="module", model="x"), factory="module_engine:NoSuchEngine")
+
+
+async def test_a_push_resets_the_hosted_engines_cache_once():
+    # The child's engine applies the core's rule (reset after every update); the proxy must not
+    # send a second reset over the pipe.
+    engine = module_engine_process()
+    try:
+        sync = await connect_weight_sync([engine], "shm", timeout_s=30)
+        before = await outputs(engine)
+        await sync.push(state(1), version=1)
+        await sync.push(state(2), version=2)
+        assert (await engine.info()).extra["cache_resets"] == 2
+        assert await outputs(engine) != before
+        await engine.reset_prefix_cache()  # an explicit reset still crosses the pipe
+        assert (await engine.info()).extra["cache_resets"] == 3
+        await sync.close()
+    finally:
+        await engine.close()
