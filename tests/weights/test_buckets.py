@@ -12,6 +12,7 @@ from rollout_engines.weights.buckets import (
     check_bucket_tensors,
     checksum,
     checksum_tensors,
+    expected_tensors,
     pack_bucket,
 )
 from rollout_engines.weights.manifest import ALIGN, TensorSpec, plan_manifest, specs_of, validate_manifest
@@ -84,9 +85,12 @@ def test_tensor_checksum_equals_the_packed_buckets_when_padding_is_zero():
     changed[1].view(torch.uint8)[3] ^= 4  # a byte in the tail of an odd-sized tensor
     assert checksum_tensors(changed) != checksum_tensors(srcs)
     assert checksum_tensors(srcs, "none") == 0
-    check_bucket_tensors(m, 0, srcs)
+    expected = expected_tensors(m, 0)
+    check_bucket_tensors(expected, srcs)
     with pytest.raises(ValueError, match="changed since the manifest"):
-        check_bucket_tensors(m, 0, [srcs[0].double(), *srcs[1:]])
+        check_bucket_tensors(expected, [srcs[0].double(), *srcs[1:]])
+    with pytest.raises(ValueError, match="changed since the manifest"):
+        check_bucket_tensors(expected, [*srcs[:-1], srcs[-1].reshape(-1, 1)])
 
 
 @pytest.mark.parametrize("value", [0, 1, -1, 2**63 - 1, -(2**63), 2**63 + 2**55, 12345678901234])

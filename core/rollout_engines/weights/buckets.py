@@ -81,10 +81,20 @@ def _check_same(name: str, src: torch.Tensor, dtype: torch.dtype, shape: tuple[i
         )
 
 
-def check_bucket_tensors(manifest: WeightManifest, index: int, tensors: Sequence[torch.Tensor]) -> None:
-    """The bucket's tensors (in manifest order) have the manifest's dtypes and shapes."""
-    for p, src in zip(manifest.bucket_tensors(index), tensors, strict=True):
-        _check_same(p.name, src, torch_dtype(p.dtype), tuple(p.shape))
+def expected_tensors(manifest: WeightManifest, index: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """Name, dtype and shape of each tensor of bucket ``index``, as torch objects (a steady push
+    checks against these without converting the manifest's strings again)."""
+    return [(p.name, torch_dtype(p.dtype), tuple(p.shape)) for p in manifest.bucket_tensors(index)]
+
+
+def check_bucket_tensors(
+    expected: Sequence[tuple[str, torch.dtype, tuple[int, ...]]], tensors: Sequence[torch.Tensor]
+) -> None:
+    """The bucket's tensors (in manifest order) have the manifest's dtypes and shapes
+    (``expected`` from :func:`expected_tensors`)."""
+    for (name, dtype, shape), src in zip(expected, tensors, strict=True):
+        if src.dtype != dtype or src.shape != shape:
+            _check_same(name, src, dtype, shape)
 
 
 def alloc_bucket(nbytes: int, device: torch.device | str = "cpu", pin: bool = False) -> torch.Tensor:

@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from ..errors import WeightSyncError
-from .buckets import BucketHeader, alloc_bucket, check_bucket_tensors, checksum, checksum_tensors, pack_bucket
+from .buckets import (
+    BucketHeader,
+    alloc_bucket,
+    check_bucket_tensors,
+    checksum,
+    checksum_tensors,
+    expected_tensors,
+    pack_bucket,
+)
 from .manifest import DEFAULT_BUCKET_BYTES, TensorSpec, TransportSpec, WeightManifest, plan_manifest, specs_of
 from .transport import TransportSender
 
@@ -104,6 +112,8 @@ class WeightSync:
         self.last_push_seconds = 0.0
         self._closed = False
         self._layout: tuple[tuple[Any, ...], WeightManifest] | None = None
+        #: Per bucket of the current layout: each tensor's name, dtype and shape, as torch objects.
+        self._expected: dict[int, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
 
     async def push(
         self, tensors: NamedTensors, *, version: int, specs: Sequence[TensorSpec] | None = None
@@ -135,9 +145,12 @@ class WeightSync:
                 timeout_s=self.timeout_s, checksum=self.checksum,
             )
             self._layout = (key, manifest)
+            self._expected = {}
         start = time.perf_counter()
-        receivers = [asyncio.ensure_future(e.receive_weights(manifest)) for e in self.engines]
+        # The sender first: it describes or packs the first buckets while the manifest travels to
+        # the engines (a process hop or a request), so receivers find them waiting.
         sending = asyncio.ensure_future(asyncio.to_thread(self._stream, manifest, iter(items)))
+        receivers = [asyncio.ensure_future(e.receive_weights(manifest)) for e in self.engines]
         results = await asyncio.gather(sending, *receivers, return_exceptions=True)
         self.last_push_seconds = time.perf_counter() - start
         send_error, recv_results = results[0], results[1:]
@@ -183,7 +196,10 @@ class WeightSync:
                     srcs = [pending[n] for n in names]
                     shared = sender.share_tensors(bucket.index, srcs)
                     if shared is not None:  # receivers read the tensors where they lie: no packing
-                        check_bucket_tensors(manifest, bucket.index, srcs)
+                        expected = self._expected.get(bucket.index)
+                        if expected is None:
+                            expected = self._expected[bucket.index] = expected_tensors(manifest, bucket.index)
+                        check_bucket_tensors(expected, srcs)
                         header = BucketHeader(
                             index=bucket.index, nbytes=bucket.nbytes,
                             checksum=checksum_tensors(srcs, manifest.checksum),

@@ -27,11 +27,12 @@ Lifetime rules (a mapping must never outlive the allocation it maps):
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import os
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -242,6 +243,10 @@ class SegmentImporter:
         self._views: dict[tuple[str, int, str, tuple[int, ...]], torch.Tensor] = {}
         self._seen_now: set[str] = set()
         self._keep_now: set[str] = set()
+        # (bucket index, description JSON) -> (views, segments), for descriptions whose segments
+        # the trainer keeps, within one manifest layout
+        self._by_desc: dict[tuple[int, str], tuple[list[torch.Tensor], list[str]]] = {}
+        self._layout: object = None
 
     def _open(self, handle_hex: str, size: int, local_base: int | None) -> torch.Tensor:
         have = self._maps.get(handle_hex)
@@ -270,6 +275,29 @@ class SegmentImporter:
 
     def begin(self) -> None:
         self._seen_now, self._keep_now = set(), set()
+
+    def views_of(
+        self, raw: str, index: int, layout: object, placements: Callable[[], Sequence[Any]]
+    ) -> list[torch.Tensor]:
+        """:meth:`views` of the description ``raw`` (JSON) for bucket ``index`` of ``layout`` (the
+        manifest's tensor list, by identity). A steady push sends the same description every time:
+        its views are built once and reused while every segment they lie in stays mapped."""
+        if layout is not self._layout:  # views are per layout: drop the last layout's
+            self._by_desc.clear()
+            self._layout = layout
+        key = (index, raw)
+        hit = self._by_desc.get(key)
+        if hit is not None:
+            self._seen_now.update(hit[1])
+            self._keep_now.update(hit[1])
+            return hit[0]
+        desc = json.loads(raw)
+        views = self.views(desc, placements())
+        segments = desc["segments"]
+        if not desc.get("close") and all(seg[2] for seg in segments):
+            handles = [seg[0] for seg in segments]
+            self._by_desc[key] = (views, handles)
+        return views
 
     def views(self, desc: dict[str, Any], placements: Sequence[Any]) -> list[torch.Tensor]:
         """One view per placement (the manifest's dtype and shape) on the trainer's memory."""
@@ -308,6 +336,7 @@ class SegmentImporter:
     def _close(self, handle_hex: str) -> None:
         ptr, _ = self._maps.pop(handle_hex)
         self._views = {k: v for k, v in self._views.items() if k[0] != handle_hex}
+        self._by_desc.clear()  # no view may outlive the mapping it lies in
         drv = _driver()
         if drv is not None and ptr:  # 0: this process's own memory, never opened
             try:

@@ -6,7 +6,8 @@ device buffers). The sender owns two slots and hands them to the session as its 
 
 Signalling costs a few store round trips per push, not per bucket:
 
-- the sender appends each bucket's description (header, slot name) to one log per update,
+- the sender appends each bucket's description (header, slot name; one JSON line, optionally
+  followed by a tab and a document the receiver keeps unparsed) to one log per update,
   ``<token>/log``; a receiver reads everything published so far with one ``get`` and waits only
   when the bucket it needs is not there yet;
 - each receiver acknowledges with one key, ``ack/<rank>`` = ``<token>:<index>``: every bucket up
@@ -114,12 +115,15 @@ class SlotSender(TransportSender):
             view[: header.nbytes].copy_(buf[: header.nbytes])
         self._publish(header, slot=name, size=view.numel())
 
-    def _publish(self, header: BucketHeader, *, ack: bool = True, **extra: Any) -> None:
+    def _publish(self, header: BucketHeader, *, ack: bool = True, raw: str = "", **extra: Any) -> None:
         """Describe bucket ``header.index`` to the receivers. ``ack``: they acknowledge it at once
-        (its memory is reused or held for them); otherwise the last bucket's acknowledgement covers it."""
+        (its memory is reused or held for them); otherwise the last bucket's acknowledgement covers it.
+        ``raw``: a JSON document (no newline) the receiver gets unparsed, as ``info['raw']`` (a
+        description that comes back unchanged push after push is serialized, and read, once)."""
         info = header.model_dump(exclude={"ABORT"})
         info.update(self._ready(), ack=ack, **extra)
-        self._kv.append(f"{self._token}/log", json.dumps(info) + "\n")
+        line = json.dumps(info) + ("\t" + raw if raw else "")
+        self._kv.append(f"{self._token}/log", line + "\n")
         self._unacked.append(header.index)
         if ack:
             self._must.append(header.index)
@@ -284,7 +288,10 @@ class SlotReceiver(TransportReceiver):
         log = self._kv.get(key)
         fresh, self._log_read = log[self._log_read:], len(log)
         for line in fresh.decode().splitlines():
-            info = json.loads(line)
+            head, _, raw = line.partition("\t")
+            info = json.loads(head)
+            if raw:
+                info["raw"] = raw
             self._infos[int(info["index"])] = info
         return index in self._infos
 

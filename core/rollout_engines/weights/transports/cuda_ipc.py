@@ -20,6 +20,7 @@ done before the sender packs the slot again, or before the trainer changes its t
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import weakref
@@ -68,6 +69,8 @@ class CudaIpcSender(SlotSender):
         super().__init__(session_id=session_id, world_size=world_size, timeout_s=timeout_s, options=options)
         self._exporter = SegmentExporter(self._device) if options.get("direct", True) else None
         self._held: dict[int, Sequence[torch.Tensor]] = {}
+        #: Per bucket: the last zero-copy description, its JSON, whether the trainer keeps all of it.
+        self._serialized: dict[int, tuple[Any, str, bool]] = {}
 
     # -- zero-copy buckets --
     def share_tensors(self, index: int, tensors: Sequence[torch.Tensor]) -> Any | None:
@@ -77,8 +80,10 @@ class CudaIpcSender(SlotSender):
         self._held[header.index] = tensors  # alive until every receiver copied them
         # Tensors the trainer keeps anyway need no acknowledgement before the push ends; holding
         # temporaries (e.g. gathered shards) for receivers is bounded to two buckets, as slots are.
-        kept = all(seg[2] for seg in shared["segments"])
-        self._publish(header, ack=not kept, direct=shared)
+        cached = self._serialized.get(header.index)
+        if cached is None or cached[0] is not shared:  # a steady push reuses its descriptions
+            cached = self._serialized[header.index] = (shared, json.dumps(shared), all(s[2] for s in shared["segments"]))
+        self._publish(header, ack=not cached[2], raw=cached[1])
 
     def _acked(self, index: int) -> None:
         self._held.pop(index, None)
@@ -99,6 +104,7 @@ class CudaIpcSender(SlotSender):
     def close(self) -> None:
         super().close()
         self._held.clear()
+        self._serialized.clear()
         if self._exporter is not None:
             self._exporter.close()
 
@@ -156,8 +162,9 @@ class CudaIpcReceiver(SlotReceiver):
                 f"cuda_ipc: the trainer's tensors are on GPU {info.get('uuid')}, this worker is on "
                 f"{self._uuid}; colocate them on one GPU or use 'nccl' across GPUs", peer=TRAINER, bucket=index,
             )
-        assert self._manifest is not None
-        return self._segments.views(info["direct"], self._manifest.bucket_tensors(index))
+        manifest = self._manifest
+        assert manifest is not None
+        return self._segments.views_of(info["raw"], index, manifest.tensors, lambda: manifest.bucket_tensors(index))
 
     def _last_release(self) -> None:
         self._segments.finish()
