@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import importlib
 import itertools
 import logging
@@ -284,16 +285,21 @@ async def _serve(conn: Connection, engine: Engine) -> None:
         task.add_done_callback(tasks.discard)
 
     def read() -> None:
-        while True:
-            try:
+        # In the event loop itself (no reader thread to wake, then the loop): a call starts one
+        # thread hop sooner. The parent reads on a thread of its own, so while this loop writes
+        # a large reply the parent drains it and the two never block on each other.
+        try:
+            while conn.poll():
                 call_id, method, args = conn.recv()
-            except (EOFError, OSError):
-                break  # the parent died or closed the pipe: shut the engine down
-            loop.call_soon_threadsafe(start, call_id, method, args)
-        loop.call_soon_threadsafe(stopped.set)
+                start(call_id, method, args)
+        except (EOFError, OSError):
+            loop.remove_reader(conn.fileno())
+            stopped.set()  # the parent died or closed the pipe: shut the engine down
 
-    threading.Thread(target=read, name="roe-engine-pipe", daemon=True).start()
+    loop.add_reader(conn.fileno(), read)
     await stopped.wait()
+    with contextlib.suppress(Exception):
+        loop.remove_reader(conn.fileno())
     if not engine.closed:
         try:
             await asyncio.wait_for(engine.close(), 60)
