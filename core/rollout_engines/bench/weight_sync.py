@@ -3,7 +3,8 @@
 A synthetic state dict of ``K`` float32 tensors totalling ``N`` MB is pushed, through the real
 trainer-side session (:func:`connect_weight_sync`), into ``R`` receiver processes. Each receiver
 is a :class:`ProcessEngine` hosting a :class:`WeightReceiver` that copies every tensor into a
-preallocated one of the same shape (as an engine's parameters). ``seconds`` is the best push of
+preallocated one of the same shape (as an engine's parameters; through the core's
+:class:`SteadyCopier`, which replays a steady push's copies as a CUDA graph). ``seconds`` is the best push of
 ``--repeats`` (after one warm-up push that maps memory and builds groups), from the first byte
 packed to the last receiver done. ``gbps`` = payload bytes / seconds / 1e9.
 
@@ -30,6 +31,7 @@ import torch
 
 from ..engine import Capabilities, Engine
 from ..types import Completion, EngineConfig, GenerateRequest
+from ..weights.copies import SteadyCopier
 from ..weights.manifest import TensorSpec, TransportSpec, WeightManifest
 
 GPU_TRANSPORTS = ("cuda_ipc", "nccl")
@@ -67,12 +69,13 @@ class _Preallocated:
 
         self.specs = {s.name: s for s in specs}
         self.tensors = {s.name: torch.zeros(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in specs}
+        self.copier = SteadyCopier()
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
         return self.specs
 
     def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
-        torch._foreach_copy_([self.tensors[n] for n, _ in named], [t for _, t in named], non_blocking=True)
+        self.copier.copy([self.tensors[n] for n, _ in named], [t for _, t in named])
 
 
 class BenchReceiverEngine(Engine):
@@ -112,6 +115,7 @@ class BenchReceiverEngine(Engine):
         total = sum(float(t.double().sum()) for t in self.target.tensors.values())
         return {
             "checksum": total, "handles_opened": getattr(self.receiver.transport, "opened", None),
+            "graph_replays": self.target.copier.replays,
             "timings": self.receiver.last_timings,
         }
 
@@ -268,6 +272,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     if any(o is not None for o in opened):
         result["handles_opened"] = opened
     result["receiver_timings_last_push"] = infos[0].extra.get("timings") if infos else None
+    if gpu:
+        result["graph_replays"] = [i.extra.get("graph_replays") for i in infos]
     exporter = getattr(sync.sender, "_exporter", None)
     if args.transport == "cuda_ipc":
         result["direct"] = exporter is not None and exporter.failed is None

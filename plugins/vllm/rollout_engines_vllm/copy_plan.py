@@ -5,7 +5,8 @@ qkv / gate_up slices, TP narrowing), which dominates a colocated push. But for a
 destinations never change. So: run ``load_weights`` once under a ``TorchDispatchMode`` that records
 every ``aten.copy_`` whose source is (a view of) one of the incoming tensors, and remember, per
 checkpoint name, ``(destination view, source size/stride/offset)``. Later pushes replay those copies
-straight from the received tensors: one multi-tensor copy per bucket, no loader code.
+straight from the received tensors (one multi-tensor copy per bucket, or one CUDA graph replay once
+the same sources come back), no loader code.
 
 A name whose load did anything the recorder cannot replay (a dtype conversion, a computed value,
 no copy at all) falls back to ``load_weights`` for that name; ``CopyPlan.fallback`` lists them.
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from rollout_engines.weights.copies import SteadyCopier
 from torch.utils._python_dispatch import TorchDispatchMode
 
 logger = logging.getLogger("rollout_engines.vllm.copy_plan")
@@ -40,8 +42,7 @@ class CopyPlan:
     _views: dict[str, tuple[weakref.ref[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = field(
         default_factory=dict, repr=False
     )
-    #: CUDA graphs of a bucket's copies, by the bucket's (name, source object) sequence.
-    _graphs: dict[tuple[tuple[str, int], ...], torch.cuda.CUDAGraph] = field(default_factory=dict, repr=False)
+    copier: SteadyCopier = field(default_factory=SteadyCopier, repr=False)
     use_graphs: bool = True
 
     def covers(self, name: str, tensor: torch.Tensor) -> bool:
@@ -61,61 +62,37 @@ class CopyPlan:
         rest: list[tuple[str, torch.Tensor]] = []
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        key: list[tuple[str, int]] = []
-        steady = True  # every source is the same object as last time (its views were kept)
         fast = 0
         for name, tensor in named:
             if not self.covers(name, tensor):
                 rest.append((name, tensor))
                 continue
-            hit, d, s = self._sources(name, tensor)
-            steady = steady and hit
+            d, s = self._sources(name, tensor)
             dsts.extend(d)
             srcs.extend(s)
-            key.append((name, id(tensor)))
             fast += 1
         with torch.no_grad():
             if dsts:
-                self._copy(tuple(key), dsts, srcs, steady)
+                self._copy(dsts, srcs)
         if rest:
             load_weights(rest)
         return fast
 
-    def _copy(self, key: tuple[tuple[str, int], ...], dsts: list[torch.Tensor], srcs: list[torch.Tensor],
-              steady: bool) -> None:
-        """One multi-tensor copy for every destination slice of the bucket. When the sources are
-        the same tensors as last time (zero-copy transports), the copies are captured once as a
-        CUDA graph and replayed: one launch instead of hundreds."""
-        graph = self._graphs.get(key) if steady else None
-        if graph is not None:
-            graph.replay()
-            return
-        if not (steady and self.use_graphs and dsts[0].is_cuda):
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            return
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                torch._foreach_copy_(dsts, srcs, non_blocking=True)
-        except Exception as exc:  # capture is an optimisation: copy eagerly from now on
-            logger.info("copy plan: CUDA graph capture failed (%s); copying eagerly", exc)
-            self.use_graphs = False
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            return
-        self._graphs[key] = graph
-        graph.replay()  # capturing recorded the copies without running them
+    def _copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        """Every destination slice of the bucket, copied by the core's :class:`SteadyCopier`: when
+        the sources are the same tensors as last time (zero-copy transports), the copies are
+        captured once as a CUDA graph and replayed, one launch instead of hundreds."""
+        self.copier.use_graphs = self.copier.use_graphs and self.use_graphs
+        self.copier.copy(dsts, srcs)
 
-    def _sources(self, name: str, tensor: torch.Tensor) -> tuple[bool, list[torch.Tensor], list[torch.Tensor]]:
-        """Whether ``tensor`` is the object seen last time, the destination slices and the matching
-        views of ``tensor``. The views are kept while the same tensor object comes back (zero-copy
-        transports hand out the same view of the trainer's memory every update), so a steady
-        push builds no views at all."""
+    def _sources(self, name: str, tensor: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The destination slices and the matching views of ``tensor``. The views are kept while the
+        same tensor object comes back (zero-copy transports hand out the same view of the trainer's
+        memory every update), so a steady push builds no views at all, and the copier sees the
+        same source objects (what lets it replay a graph)."""
         hit = self._views.get(name)
         if hit is not None and hit[0]() is tensor:
-            return True, hit[1], hit[2]
-        # A new source for this name: graphs that read the old one must never replay (an id in
-        # their key could come back for another object).
-        self._graphs = {k: g for k, g in self._graphs.items() if all(n != name for n, _ in k)}
+            return hit[1], hit[2]
         copies = self.copies[name]
         dsts = [c.dst for c in copies]
         srcs = [tensor.as_strided(c.size, c.stride, tensor.storage_offset() + c.offset) for c in copies]
@@ -123,7 +100,7 @@ class CopyPlan:
             self._views[name] = (weakref.ref(tensor), dsts, srcs)
         except TypeError:
             pass
-        return False, dsts, srcs
+        return dsts, srcs
 
 
 class _Recorder(TorchDispatchMode):

@@ -1,0 +1,97 @@
+"""Copying received tensors into a model's: fast when the same tensors come back every update.
+
+A zero-copy ``cuda_ipc`` push hands a receiver the same views of the trainer's memory every update,
+and an engine copies them into the same parameters. :class:`SteadyCopier` notices that and, from
+the second time on, replays the copies as a CUDA graph of one copy per tensor: one launch per
+bucket instead of one per tensor, and each copy at the device's copy bandwidth. (A multi-tensor
+``_foreach_copy_`` launches once too, but its kernel reaches about three quarters of a plain copy's
+bandwidth on an H200; per-tensor copies launched one by one are bound by the launches. See
+benchmarks/RESULTS.md.)
+
+Anything else (CPU tensors, tensors seen for the first time, a capture that fails) is copied with
+one ``_foreach_copy_``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+logger = logging.getLogger("rollout_engines.weights")
+
+_Fingerprint = list[tuple[weakref.ref[torch.Tensor], int]]
+
+
+def _fingerprint(tensors: Sequence[torch.Tensor]) -> _Fingerprint | None:
+    try:
+        return [(weakref.ref(t), t.data_ptr()) for t in tensors]
+    except TypeError:
+        return None
+
+
+def _same(fingerprint: _Fingerprint, tensors: Sequence[torch.Tensor]) -> bool:
+    """The very same tensor objects, still at the same addresses (a graph replays addresses)."""
+    if len(fingerprint) != len(tensors):
+        return False
+    for (ref, ptr), t in zip(fingerprint, tensors, strict=True):
+        if t.data_ptr() != ptr or ref() is not t:
+            return False
+    return True
+
+
+class SteadyCopier:
+    """``copy(dsts, srcs)``: ``dst.copy_(src)`` for each pair (same shapes and dtypes), replayed as a
+    CUDA graph once the same pairs come back. ``graphs=False`` always copies eagerly."""
+
+    def __init__(self, *, graphs: bool = True, max_graphs: int = 1024) -> None:
+        self.use_graphs = graphs
+        self.max_graphs = max_graphs
+        self.replays = 0  # graph replays so far (tests and benchmarks read it)
+        # key (ids of every tensor) -> (fingerprint, graph or None when seen once so far)
+        self._known: dict[tuple[int, ...], tuple[_Fingerprint, torch.cuda.CUDAGraph | None]] = {}
+
+    def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        if not dsts:
+            return
+        if not (self.use_graphs and dsts[0].is_cuda):
+            torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+            return
+        tensors = [*dsts, *srcs]
+        key = tuple(map(id, tensors))
+        known = self._known.get(key)
+        if known is not None and _same(known[0], tensors):
+            if known[1] is not None:
+                known[1].replay()
+                self.replays += 1
+                return
+            graph = self._capture(dsts, srcs)  # the second time: steady, worth a graph
+            if graph is not None:
+                self._known[key] = (known[0], graph)
+                graph.replay()  # capturing recorded the copies without running them
+                self.replays += 1
+                return
+        else:
+            fingerprint = _fingerprint(tensors)
+            if fingerprint is not None:
+                if len(self._known) >= self.max_graphs:
+                    self._known.clear()
+                self._known[key] = (fingerprint, None)
+        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+
+    def _capture(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> torch.cuda.CUDAGraph | None:
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                for dst, src in zip(dsts, srcs, strict=True):
+                    dst.copy_(src, non_blocking=True)
+        except Exception as exc:  # a graph is an optimisation: copy eagerly from now on
+            logger.info("CUDA graph capture of weight copies failed (%s); copying eagerly", exc)
+            self.use_graphs = False
+            return None
+        return graph
+
+    def clear(self) -> None:
+        self._known.clear()
