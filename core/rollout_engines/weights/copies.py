@@ -91,6 +91,3 @@ class SteadyCopier:
             self.use_graphs = False
             return None
         return graph
-
-    def clear(self) -> None:
-        self._known.clear()

@@ -42,8 +42,8 @@ class CopyPlan:
     _views: dict[str, tuple[weakref.ref[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = field(
         default_factory=dict, repr=False
     )
+    #: Copies a bucket's slices (``copier.use_graphs = False`` for eager copies only).
     copier: SteadyCopier = field(default_factory=SteadyCopier, repr=False)
-    use_graphs: bool = True
 
     def covers(self, name: str, tensor: torch.Tensor) -> bool:
         want = self.shapes.get(name)
@@ -73,17 +73,12 @@ class CopyPlan:
             fast += 1
         with torch.no_grad():
             if dsts:
-                self._copy(dsts, srcs)
+                # Replayed as a CUDA graph once the same sources come back (zero-copy transports):
+                # one launch instead of hundreds.
+                self.copier.copy(dsts, srcs)
         if rest:
             load_weights(rest)
         return fast
-
-    def _copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-        """Every destination slice of the bucket, copied by the core's :class:`SteadyCopier`: when
-        the sources are the same tensors as last time (zero-copy transports), the copies are
-        captured once as a CUDA graph and replayed, one launch instead of hundreds."""
-        self.copier.use_graphs = self.copier.use_graphs and self.use_graphs
-        self.copier.copy(dsts, srcs)
 
     def _sources(self, name: str, tensor: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The destination slices and the matching views of ``tensor``. The views are kept while the
