@@ -1,11 +1,14 @@
 """How fast a GPU copies a state dict into separate tensors, by method; one JSON line.
 
-    python benchmarks/copy_kernels.py [--size-mb 3072] [--tensors 320]
+    python benchmarks/copy_kernels.py [--size-mb 3072] [--tensors 320] [--buckets 12]
 
 The limit under a receiver that copies into an engine's parameters: one flat copy of the same
 bytes (the ``bench weight-sync`` baseline), ``torch._foreach_copy_`` eager and replayed from a
-CUDA graph (what :class:`rollout_engines.weights.copies.SteadyCopier` does), a graph of one copy
-node per tensor, and one eager ``copy_`` per tensor. Best of 7, GB/s of payload.
+CUDA graph, the same split over several streams inside one graph, graphs of one copy node per
+tensor (on one or several streams), ``cudaMemcpyBatchAsync`` (cuda-bindings), and the core's
+chunked Triton kernel (``rollout_engines.weights._chunk_copy``) with a few shapes. ``bucketed``
+entries do the same per bucket (``--buckets`` graphs or launches in a row, as a receiver copies
+bucket by bucket). Best of 7, GB/s of payload; a method that fails reports its error.
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
+Tensors = Sequence[torch.Tensor]
+
 
 def best_seconds(fn: Callable[[], object], repeats: int = 7) -> float:
+    fn()  # warm-up (compiles, first launches)
     best = float("inf")
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -29,10 +35,70 @@ def best_seconds(fn: Callable[[], object], repeats: int = 7) -> float:
     return best
 
 
+def graph_of(body: Callable[[], object]) -> Callable[[], object]:
+    body()  # warm-up outside the capture (Triton compiles here)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    return g.replay
+
+
+def on_streams(streams: int, dst: Tensors, src: Tensors, per_stream: Callable[[Tensors, Tensors], object]) -> Callable[[], None]:
+    side = [torch.cuda.Stream() for _ in range(streams)]
+
+    def body() -> None:
+        cur = torch.cuda.current_stream()
+        for k, s in enumerate(side):
+            s.wait_stream(cur)
+            with torch.cuda.stream(s):
+                per_stream(dst[k::streams], src[k::streams])
+        for s in side:
+            cur.wait_stream(s)
+
+    return body
+
+
+def per_tensor(dst: Tensors, src: Tensors) -> None:
+    for a, b in zip(dst, src, strict=True):
+        a.copy_(b, non_blocking=True)
+
+
+def foreach(dst: Tensors, src: Tensors) -> None:
+    torch._foreach_copy_(list(dst), list(src), non_blocking=True)
+
+
+def memcpy_batch(dst: Tensors, src: Tensors) -> Callable[[], None]:
+    from cuda.bindings import runtime as rt
+
+    attrs = rt.cudaMemcpyAttributes()
+    attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+    dptrs, sptrs = [t.data_ptr() for t in dst], [t.data_ptr() for t in src]
+    sizes = [t.numel() * t.element_size() for t in dst]
+
+    def run() -> None:
+        stream = torch.cuda.current_stream().cuda_stream
+        res = rt.cudaMemcpyBatchAsync(dptrs, sptrs, sizes, len(sizes), [attrs], [0], 1, stream)
+        err = res[0] if isinstance(res, tuple) else res
+        if int(err) != 0:
+            raise RuntimeError(f"cudaMemcpyBatchAsync: {err!r}")
+
+    return run
+
+
+def chunk_kernel(dst: Tensors, src: Tensors, chunk: int, block: int, warps: int) -> Callable[[], None]:
+    from rollout_engines.weights import _chunk_copy
+
+    table = _chunk_copy.plan(dst, src, chunk_bytes=chunk)
+    assert table is not None
+    return lambda: _chunk_copy.launch(table, chunk_bytes=chunk, block=block, num_warps=warps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size-mb", type=float, default=3072)
     parser.add_argument("--tensors", type=int, default=320)
+    parser.add_argument("--buckets", type=int, default=12)
     args = parser.parse_args()
     dev = torch.device("cuda", 0)
     n = args.tensors
@@ -40,25 +106,47 @@ def main() -> None:
     src = [torch.randn(per, device=dev) for _ in range(n)]
     dst = [torch.empty(per, device=dev) for _ in range(n)]
     flat_src, flat_dst = torch.empty(n * per, device=dev), torch.empty(n * per, device=dev)
-    per_tensor = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(per_tensor):
-        for a, b in zip(dst, src, strict=True):
-            a.copy_(b, non_blocking=True)
-    foreach = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(foreach):
-        torch._foreach_copy_(dst, src)
-    runs = {
-        "flat_copy": lambda: flat_dst.copy_(flat_src),
-        "foreach_eager": lambda: torch._foreach_copy_(dst, src),
-        "foreach_graph": foreach.replay,
-        "per_tensor_graph": per_tensor.replay,
-        "per_tensor_eager": lambda: [a.copy_(b, non_blocking=True) for a, b in zip(dst, src, strict=True)],
+    size = -(-n // args.buckets)
+    buckets = [(dst[i:i + size], src[i:i + size]) for i in range(0, n, size)]
+
+    def bucketed(make: Callable[[Tensors, Tensors], Callable[[], object]]) -> Callable[[], None]:
+        runs = [make(d, s) for d, s in buckets]
+        return lambda: [r() for r in runs] and None
+
+    methods: dict[str, Callable[[], Callable[[], object]]] = {
+        "flat_copy": lambda: lambda: flat_dst.copy_(flat_src),
+        "foreach_eager": lambda: lambda: foreach(dst, src),
+        "foreach_graph": lambda: graph_of(lambda: foreach(dst, src)),
+        "per_tensor_graph": lambda: graph_of(lambda: per_tensor(dst, src)),
+        "per_tensor_eager": lambda: lambda: per_tensor(dst, src),
+        "bucketed_foreach_graph": lambda: bucketed(lambda d, s: graph_of(lambda: foreach(d, s))),
     }
+    for k in (2, 4, 8):
+        methods[f"foreach_graph_{k}streams"] = lambda k=k: graph_of(on_streams(k, dst, src, foreach))
+        methods[f"per_tensor_graph_{k}streams"] = lambda k=k: graph_of(on_streams(k, dst, src, per_tensor))
+    methods["bucketed_foreach_graph_4streams"] = lambda: bucketed(lambda d, s: graph_of(on_streams(4, d, s, foreach)))
+    methods["memcpy_batch"] = lambda: memcpy_batch(dst, src)
+    methods["memcpy_batch_graph"] = lambda: graph_of(memcpy_batch(dst, src))
+    for chunk, block, warps in ((1 << 20, 2048, 8), (1 << 20, 1024, 4), (1 << 18, 2048, 8), (1 << 20, 4096, 8),
+                                (1 << 20, 4096, 16), (1 << 22, 2048, 8)):
+        tag = f"chunk{chunk >> 10}k_b{block}_w{warps}"
+        methods[f"{tag}_eager"] = lambda c=chunk, b=block, w=warps: chunk_kernel(dst, src, c, b, w)
+        methods[f"{tag}_graph"] = lambda c=chunk, b=block, w=warps: graph_of(chunk_kernel(dst, src, c, b, w))
+    methods["bucketed_chunk1024k_graph"] = lambda: bucketed(lambda d, s: graph_of(chunk_kernel(d, s, 1 << 20, 2048, 8)))
+    methods["bucketed_chunk1024k_eager"] = lambda: bucketed(lambda d, s: chunk_kernel(d, s, 1 << 20, 2048, 8))
     nbytes = n * per * 4
-    out: dict[str, object] = {"bytes": nbytes, "tensors": n, "device": torch.cuda.get_device_name(dev)}
-    for name, fn in runs.items():
-        seconds = best_seconds(fn)
-        out[name] = {"seconds": round(seconds, 6), "gbps": round(nbytes / seconds / 1e9, 1)}
+    out: dict[str, object] = {"bytes": nbytes, "tensors": n, "buckets": len(buckets),
+                              "device": torch.cuda.get_device_name(dev)}
+    for name, make in methods.items():
+        try:
+            for t in dst:
+                t.zero_()
+            fn = make()
+            seconds = best_seconds(fn)
+            ok = all(torch.equal(a, b) for a, b in zip(dst, src, strict=True)) if name != "flat_copy" else True
+            out[name] = {"seconds": round(seconds, 6), "gbps": round(nbytes / seconds / 1e9, 1), "correct": ok}
+        except Exception as exc:  # report and go on: one method's failure is a result too
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     print(json.dumps(out))
 
 

@@ -99,8 +99,9 @@ def test_buckets_the_trainer_keeps_are_acknowledged_once_per_push(kept: bool) ->
         receivers.append(r)
     sender.connect()
     sync = WeightSync([], sender, transport="shm", bucket_bytes=2048, timeout_s=30, checksum="sum64", progress=False)
+    tokens: list[str] = []
     try:
-        for version in (1, 2):
+        for version in (1, 2, 3):
             torch.manual_seed(version)
             state = {k: v.detach().clone() for k, v in _module().state_dict().items()}
             before = [r.transport.acks_sent for r in receivers]
@@ -116,6 +117,9 @@ def test_buckets_the_trainer_keeps_are_acknowledged_once_per_push(kept: bool) ->
             assert sent == ([1, 1] if kept else [n, n])
             assert sender.acked == list(range(n))  # every bucket released, in order, once
             assert all(r.version == version for r in receivers)
+            # The last update's log is deleted during this one (its end), this one's stays until the next.
+            tokens.append(manifest.session_id)
+            assert [bool(sender._kv.check([f"{t}/log"])) for t in tokens] == [False] * (len(tokens) - 1) + [True]
     finally:
         for r in receivers:
             r.close()

@@ -14,10 +14,13 @@ one eager ``_foreach_copy_``.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from collections.abc import Sequence
 
 import torch
+
+from . import _chunk_copy
 
 logger = logging.getLogger("rollout_engines.weights")
 
@@ -46,12 +49,16 @@ class SteadyCopier:
     multi-tensor copy, replayed from a CUDA graph once the same pairs come back. ``graphs=False``
     always copies eagerly."""
 
-    def __init__(self, *, graphs: bool = True, max_graphs: int = 1024) -> None:
+    def __init__(self, *, graphs: bool = True, max_graphs: int = 1024, kernel: str | None = None) -> None:
         self.use_graphs = graphs
         self.max_graphs = max_graphs
+        #: What a graph replays: "chunks" (one chunked kernel, where it applies) or "foreach".
+        self.kernel = kernel or os.environ.get("ROLLOUT_ENGINES_COPY_KERNEL", "chunks")
         self.replays = 0  # graph replays so far (tests and benchmarks read it)
-        # key (ids of every tensor) -> (fingerprint, graph or None when seen once so far)
-        self._known: dict[tuple[int, ...], tuple[_Fingerprint, torch.cuda.CUDAGraph | None]] = {}
+        self.chunked = 0  # of those, graphs of the chunked kernel
+        # key (ids of every tensor) -> (fingerprint, graph or None when seen once so far, what the
+        # graph reads besides the tensors)
+        self._known: dict[tuple[int, ...], tuple[_Fingerprint, torch.cuda.CUDAGraph | None, object]] = {}
 
     def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         if not dsts:
@@ -67,9 +74,9 @@ class SteadyCopier:
                 known[1].replay()
                 self.replays += 1
                 return
-            graph = self._capture(dsts, srcs)  # the second time: steady, worth a graph
+            graph, table = self._capture(dsts, srcs)  # the second time: steady, worth a graph
             if graph is not None:
-                self._known[key] = (known[0], graph)
+                self._known[key] = (known[0], graph, table)
                 graph.replay()  # capturing recorded the copies without running them
                 self.replays += 1
                 return
@@ -78,16 +85,32 @@ class SteadyCopier:
             if fingerprint is not None:
                 if len(self._known) >= self.max_graphs:
                     self._known.clear()
-                self._known[key] = (fingerprint, None)
+                self._known[key] = (fingerprint, None, None)
         torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
 
-    def _capture(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> torch.cuda.CUDAGraph | None:
+    def _capture(
+        self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
+    ) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]:
+        table = None
+        if self.kernel == "chunks" and _chunk_copy.available():
+            table = _chunk_copy.plan(dsts, srcs)
+            if table is not None:
+                try:
+                    _chunk_copy.launch(table)  # compiles once per process, outside any capture
+                except Exception as exc:
+                    logger.info("the chunked copy kernel failed (%s); replaying foreach copies", exc)
+                    self.kernel, table = "foreach", None
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+                if table is not None:
+                    _chunk_copy.launch(table)
+                else:
+                    torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
         except Exception as exc:  # a graph is an optimisation: copy eagerly from now on
             logger.info("CUDA graph capture of weight copies failed (%s); copying eagerly", exc)
             self.use_graphs = False
-            return None
-        return graph
+            return None, None
+        if table is not None:
+            self.chunked += 1
+        return graph, table

@@ -50,6 +50,7 @@ class SlotSender(TransportSender):
         self._slots: list[tuple[str, Any, torch.Tensor] | None] = [None, None]
         self._made = 0
         self._token = ""
+        self._stale_logs: list[str] = []  # tokens of earlier updates whose logs are not deleted yet
         self._unacked: list[int] = []  # published, not yet known to be acknowledged by all
         self._must: list[int] = []  # of those, the ones receivers acknowledge at once
         self._acked_upto = -1
@@ -96,16 +97,18 @@ class SlotSender(TransportSender):
         return self._slot(index, nbytes)[2]
 
     def begin(self, manifest: WeightManifest) -> None:
-        self._drop_log()
+        # The last update's log is deleted in this one's end(), while receivers copy: no round
+        # trip before the first bucket.
+        if self._token:
+            self._stale_logs.append(self._token)
         self._token = manifest.session_id
         self._unacked, self._must, self._acked_upto = [], [], -1
         self._watch.clear_if_failed()
 
-    def _drop_log(self) -> None:
-        """Delete the last update's log (at the next update's start, off the push's critical path)."""
-        if self._token:
+    def _drop_log(self, token: str) -> None:
+        if token:
             try:
-                self._kv.delete_key(f"{self._token}/log")
+                self._kv.delete_key(f"{token}/log")
             except Exception:  # the store may be shutting down with us
                 pass
 
@@ -170,6 +173,8 @@ class SlotSender(TransportSender):
         )
 
     def end(self, manifest: WeightManifest) -> None:
+        while self._stale_logs:
+            self._drop_log(self._stale_logs.pop())
         if self._unacked:
             self._wait_acked(self._unacked[-1])
 
@@ -187,7 +192,9 @@ class SlotSender(TransportSender):
             self._slots[i] = None
 
     def close(self) -> None:
-        self._drop_log()
+        for token in [*self._stale_logs, self._token]:
+            self._drop_log(token)
+        self._stale_logs = []
         self._drop_slots()
 
 

@@ -1,0 +1,89 @@
+"""One kernel that copies many tensors: the work cut into equal chunks, one program per chunk.
+
+``torch._foreach_copy_`` launches a kernel per ~80 MiB of a multi-tensor copy (at most 320
+blocks of 64 Ki elements each), and the GPU idles at every launch's tail; one flat copy of the same
+bytes runs about a fifth faster. This kernel (Triton, which comes with PyTorch's CUDA builds)
+gets a table of ``(source address, destination address, words)`` rows, one per chunk of at most
+``CHUNK_BYTES``, and every program copies its chunk in 16-byte words: the whole copy is one
+launch of thousands of equal programs.
+
+It applies only where every address and size is a multiple of 16 bytes (what the caching
+allocator and contiguous parameters give); :func:`plan` returns ``None`` otherwise, and the
+caller copies another way.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+#: Bytes per program (a multiple of the kernel's block of 16-byte words).
+CHUNK_BYTES = 1 << 20
+_BLOCK = 2048  # int32 lanes per step: 8 KiB
+_WARPS = 8
+_ALIGN = 16
+
+
+@functools.cache
+def _kernel() -> Any | None:
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def copy_chunks(table, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        row = table + tl.program_id(0).to(tl.int64) * 3
+        src = tl.load(row).to(tl.pointer_type(tl.int32))
+        dst = tl.load(row + 1).to(tl.pointer_type(tl.int32))
+        n = tl.load(row + 2)  # int32 words in this chunk, a multiple of 4
+        src = tl.multiple_of(src, 16)
+        dst = tl.multiple_of(dst, 16)
+        n = tl.multiple_of(n, 4)
+        offs = tl.arange(0, BLOCK)
+        for start in tl.range(0, CHUNK, BLOCK):
+            idx = start + offs
+            mask = idx < n
+            tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
+
+    return copy_chunks
+
+
+def available() -> bool:
+    return torch.cuda.is_available() and _kernel() is not None
+
+
+def plan(
+    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES
+) -> torch.Tensor | None:
+    """The chunk table for ``dst.copy_(src)`` of every pair (on the destinations' device), or
+    ``None`` when a pair does not qualify (dtype, size, contiguity, device or alignment)."""
+    rows: list[int] = []
+    words_per_chunk = chunk_bytes // 4
+    device = dsts[0].device if dsts else None
+    for d, s in zip(dsts, srcs, strict=True):
+        if (d.dtype != s.dtype or d.shape != s.shape or d.device != device or s.device != device
+                or not (d.is_contiguous() and s.is_contiguous())):
+            return None
+        nbytes = d.numel() * d.element_size()
+        sp, dp = s.data_ptr(), d.data_ptr()
+        if nbytes % _ALIGN or sp % _ALIGN or dp % _ALIGN:
+            return None
+        words = nbytes // 4
+        for start in range(0, words, words_per_chunk):
+            rows += (sp + 4 * start, dp + 4 * start, min(words_per_chunk, words - start))
+    if not rows:
+        return None
+    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def launch(table: torch.Tensor, chunk_bytes: int = CHUNK_BYTES, block: int = _BLOCK, num_warps: int = _WARPS) -> None:
+    """Run the copies of a table from :func:`plan` (made with the same ``chunk_bytes``) on the
+    current stream."""
+    kernel = _kernel()
+    assert kernel is not None
+    kernel[(table.numel() // 3,)](table, CHUNK=chunk_bytes // 4, BLOCK=block, num_warps=num_warps)
