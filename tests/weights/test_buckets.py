@@ -119,3 +119,24 @@ def test_poll_times_out_with_the_callers_error_and_runs_checks():
         _store.poll(lambda: False, timeout_s=1.2, check=lambda: checks.append(1),
                     on_timeout=lambda: WeightSyncError("nothing came", peer="x", bucket=3))
     assert len(checks) >= 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_checksum_of_separate_tensors_matches_the_cpu_one():
+    """On a GPU the sum64 of a zero-copy bucket runs as one chunked kernel where the tensors allow
+    it; sender and receiver may take different paths, so the value must not depend on the path."""
+    gen = torch.Generator().manual_seed(3)
+    tensors = [
+        torch.randint(-(2**62), 2**62, (2**18 + 2,), dtype=torch.int64, generator=gen),  # 2 MiB + 16 bytes
+        torch.randn(64, 8, generator=gen).to(torch.bfloat16),
+        torch.randn(5, 3, generator=gen),  # 60 bytes: not for the kernel, the whole bucket falls back
+    ]
+    for subset in (tensors[:2], tensors):
+        want = checksum_tensors(subset)
+        on_gpu = [t.cuda() for t in subset]
+        assert checksum_tensors(on_gpu) == want
+        assert checksum_tensors(on_gpu) == want  # the cached table gives the same
+    # A transposed view at the same address and size must not reuse the contiguous tensor's table.
+    square = torch.randn(64, 64, generator=gen).cuda()
+    assert checksum_tensors([square.t()]) == checksum_tensors([square.t().cpu()])
+    assert checksum_tensors([square]) == checksum_tensors([square.cpu()])

@@ -28,7 +28,7 @@ _ALIGN = 16
 
 
 @functools.cache
-def _kernel() -> Any | None:
+def _kernels() -> tuple[Any, Any] | None:
     try:
         import triton
         import triton.language as tl
@@ -50,7 +50,28 @@ def _kernel() -> Any | None:
             mask = idx < n
             tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
 
-    return copy_chunks
+    @triton.jit
+    def sum_chunks(table, out, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # The wrapping sum of each chunk's 64-bit words (the ``sum64`` checksum), one per program.
+        pid = tl.program_id(0).to(tl.int64)
+        row = table + pid * 3
+        src = tl.load(row).to(tl.pointer_type(tl.int64))
+        n = tl.load(row + 2) // 2  # int64 words, a multiple of 2
+        src = tl.multiple_of(src, 16)
+        n = tl.multiple_of(n, 2)
+        offs = tl.arange(0, BLOCK // 2)
+        acc = tl.zeros([BLOCK // 2], dtype=tl.int64)
+        for start in tl.range(0, CHUNK // 2, BLOCK // 2):
+            idx = start + offs
+            acc += tl.load(src + idx, mask=idx < n, other=0)
+        tl.store(out + pid, tl.sum(acc, axis=0))
+
+    return copy_chunks, sum_chunks
+
+
+def _kernel() -> Any | None:
+    kernels = _kernels()
+    return kernels[0] if kernels is not None else None
 
 
 def available() -> bool:
@@ -58,14 +79,15 @@ def available() -> bool:
 
 
 def plan(
-    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES
+    dsts: Sequence[torch.Tensor] | None, srcs: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES
 ) -> torch.Tensor | None:
-    """The chunk table for ``dst.copy_(src)`` of every pair (on the destinations' device), or
-    ``None`` when a pair does not qualify (dtype, size, contiguity, device or alignment)."""
+    """The chunk table for ``dst.copy_(src)`` of every pair (``dsts`` None: for :func:`checksum`
+    of ``srcs``), on the tensors' device, or ``None`` when a tensor does not qualify (dtype, size,
+    contiguity, device or alignment)."""
     rows: list[int] = []
     words_per_chunk = chunk_bytes // 4
-    device = dsts[0].device if dsts else None
-    for d, s in zip(dsts, srcs, strict=True):
+    device = srcs[0].device if srcs else None
+    for d, s in zip(dsts if dsts is not None else srcs, srcs, strict=True):
         if (d.dtype != s.dtype or d.shape != s.shape or d.device != device or s.device != device
                 or not (d.is_contiguous() and s.is_contiguous())):
             return None
@@ -87,3 +109,13 @@ def launch(table: torch.Tensor, chunk_bytes: int = CHUNK_BYTES, block: int = _BL
     kernel = _kernel()
     assert kernel is not None
     kernel[(table.numel() // 3,)](table, CHUNK=chunk_bytes // 4, BLOCK=block, num_warps=num_warps)
+
+
+def checksum(table: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """The ``sum64`` checksum (wrapping sum of 64-bit words) of the sources of a table from
+    :func:`plan`, as a 0-dim int64 tensor on the device (one launch, then one reduction)."""
+    kernels = _kernels()
+    assert kernels is not None
+    partials = torch.empty(table.numel() // 3, dtype=torch.int64, device=table.device)
+    kernels[1][(partials.numel(),)](table, partials, CHUNK=chunk_bytes // 4, BLOCK=_BLOCK, num_warps=_WARPS)
+    return partials.sum()

@@ -106,6 +106,12 @@ def checksum_tensors(tensors: Sequence[torch.Tensor], algo: str = "sum64") -> in
     of each tensor's bytes as 64-bit words, added up. Computed on the device with one sync."""
     if algo == "none" or not tensors:
         return 0
+    if tensors[0].is_cuda:
+        table = _sum_table(tensors)
+        if table is not None:  # one chunked kernel for the whole bucket (rather than a sum per tensor)
+            from . import _chunk_copy
+
+            return int(_chunk_copy.checksum(table).item())
     parts: list[torch.Tensor] = []
     total = 0
     for t in tensors:
@@ -122,3 +128,22 @@ def checksum_tensors(tensors: Sequence[torch.Tensor], algo: str = "sum64") -> in
     if parts:
         total += int(torch.stack(parts).sum().item())
     return total
+
+
+#: Chunk tables for checksums on a GPU, by (address, bytes, contiguous) of every tensor: a steady push sums the
+#: same memory every time. Bounded; cleared when full.
+_SUM_TABLES: dict[tuple[tuple[int, int, bool], ...], torch.Tensor | None] = {}
+
+
+def _sum_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    from . import _chunk_copy
+
+    if not _chunk_copy.available():
+        return None
+    key = tuple((t.data_ptr(), t.numel() * t.element_size(), t.is_contiguous()) for t in tensors)
+    if key in _SUM_TABLES:
+        return _SUM_TABLES[key]
+    if len(_SUM_TABLES) >= 256:
+        _SUM_TABLES.clear()
+    table = _SUM_TABLES[key] = _chunk_copy.plan(None, tensors)
+    return table
