@@ -4,9 +4,9 @@
 
 The limit under a receiver that copies into an engine's parameters: one flat copy of the same
 bytes (the ``bench weight-sync`` baseline), ``torch._foreach_copy_`` eager and replayed from a
-CUDA graph, the same split over several streams inside one graph, graphs of one copy node per
-tensor (on one or several streams), ``cudaMemcpyBatchAsync`` (cuda-bindings), and the core's
-chunked Triton kernel (``rollout_engines.weights._chunk_copy``) with a few shapes. ``bucketed``
+CUDA graph, the same split over several streams inside one graph, a graph of one copy node per
+tensor, the core's chunked Triton kernel (``rollout_engines.weights._chunk_copy``) with a few shapes, and the core's
+``SteadyCopier`` with each of its kernels. ``bucketed``
 entries do the same per bucket (``--buckets`` graphs or launches in a row, as a receiver copies
 bucket by bucket). Best of 7, GB/s of payload; a method that fails reports its error.
 """
@@ -68,30 +68,22 @@ def foreach(dst: Tensors, src: Tensors) -> None:
     torch._foreach_copy_(list(dst), list(src), non_blocking=True)
 
 
-def memcpy_batch(dst: Tensors, src: Tensors) -> Callable[[], None]:
-    from cuda.bindings import runtime as rt
-
-    attrs = rt.cudaMemcpyAttributes()
-    attrs.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-    dptrs, sptrs = [t.data_ptr() for t in dst], [t.data_ptr() for t in src]
-    sizes = [t.numel() * t.element_size() for t in dst]
-
-    def run() -> None:
-        stream = torch.cuda.current_stream().cuda_stream
-        res = rt.cudaMemcpyBatchAsync(dptrs, sptrs, sizes, len(sizes), [attrs], [0], 1, stream)
-        err = res[0] if isinstance(res, tuple) else res
-        if int(err) != 0:
-            raise RuntimeError(f"cudaMemcpyBatchAsync: {err!r}")
-
-    return run
-
-
 def chunk_kernel(dst: Tensors, src: Tensors, chunk: int, block: int, warps: int) -> Callable[[], None]:
     from rollout_engines.weights import _chunk_copy
 
     table = _chunk_copy.plan(dst, src, chunk_bytes=chunk)
     assert table is not None
     return lambda: _chunk_copy.launch(table, chunk_bytes=chunk, block=block, num_warps=warps)
+
+
+def copier(kernel: str, buckets: Sequence[tuple[Tensors, Tensors]]) -> Callable[[], None]:
+    from rollout_engines.weights.copies import SteadyCopier
+
+    c = SteadyCopier(kernel=kernel)
+    for _ in range(2):  # seen, then captured: from here on every call replays
+        for d, s in buckets:
+            c.copy(d, s)
+    return lambda: [c.copy(d, s) for d, s in buckets] and None
 
 
 def main() -> None:
@@ -102,7 +94,7 @@ def main() -> None:
     args = parser.parse_args()
     dev = torch.device("cuda", 0)
     n = args.tensors
-    per = int(args.size_mb * 2**20) // 4 // n
+    per = int(args.size_mb * 2**20) // 4 // n // 4 * 4  # whole 16-byte words, as parameters are
     src = [torch.randn(per, device=dev) for _ in range(n)]
     dst = [torch.empty(per, device=dev) for _ in range(n)]
     flat_src, flat_dst = torch.empty(n * per, device=dev), torch.empty(n * per, device=dev)
@@ -121,19 +113,17 @@ def main() -> None:
         "per_tensor_eager": lambda: lambda: per_tensor(dst, src),
         "bucketed_foreach_graph": lambda: bucketed(lambda d, s: graph_of(lambda: foreach(d, s))),
     }
-    for k in (2, 4, 8):
+    for k in (2, 4):
         methods[f"foreach_graph_{k}streams"] = lambda k=k: graph_of(on_streams(k, dst, src, foreach))
-        methods[f"per_tensor_graph_{k}streams"] = lambda k=k: graph_of(on_streams(k, dst, src, per_tensor))
     methods["bucketed_foreach_graph_4streams"] = lambda: bucketed(lambda d, s: graph_of(on_streams(4, d, s, foreach)))
-    methods["memcpy_batch"] = lambda: memcpy_batch(dst, src)
-    methods["memcpy_batch_graph"] = lambda: graph_of(memcpy_batch(dst, src))
-    for chunk, block, warps in ((1 << 20, 2048, 8), (1 << 20, 1024, 4), (1 << 18, 2048, 8), (1 << 20, 4096, 8),
-                                (1 << 20, 4096, 16), (1 << 22, 2048, 8)):
+    for chunk, block, warps in ((1 << 20, 2048, 8), (1 << 18, 2048, 8), (1 << 16, 2048, 8), (1 << 20, 4096, 8),
+                                (1 << 18, 4096, 16), (1 << 18, 1024, 4)):
         tag = f"chunk{chunk >> 10}k_b{block}_w{warps}"
-        methods[f"{tag}_eager"] = lambda c=chunk, b=block, w=warps: chunk_kernel(dst, src, c, b, w)
         methods[f"{tag}_graph"] = lambda c=chunk, b=block, w=warps: graph_of(chunk_kernel(dst, src, c, b, w))
     methods["bucketed_chunk1024k_graph"] = lambda: bucketed(lambda d, s: graph_of(chunk_kernel(d, s, 1 << 20, 2048, 8)))
-    methods["bucketed_chunk1024k_eager"] = lambda: bucketed(lambda d, s: chunk_kernel(d, s, 1 << 20, 2048, 8))
+    methods["bucketed_chunk256k_graph"] = lambda: bucketed(lambda d, s: graph_of(chunk_kernel(d, s, 1 << 18, 2048, 8)))
+    for kernel in ("foreach", "streams", "chunks"):  # what a receiver runs: the core's copier, bucket by bucket
+        methods[f"copier_{kernel}_bucketed"] = lambda kernel=kernel: copier(kernel, buckets)
     nbytes = n * per * 4
     out: dict[str, object] = {"bytes": nbytes, "tensors": n, "buckets": len(buckets),
                               "device": torch.cuda.get_device_name(dev)}

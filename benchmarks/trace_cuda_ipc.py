@@ -8,7 +8,8 @@ Wraps library methods in both processes to log when each step happens (the recei
 ``P:`` (trainer) / ``C:`` (receiver) events with microseconds since ``push()`` began.
 ``--transport shm --size-mb 64`` runs it on a CPU. ``TRACE_APPLY=foreach`` makes the receiver copy
 with an eager ``_foreach_copy_`` instead of the core's SteadyCopier; ``TRACE_SWITCH=S`` sets
-``sys.setswitchinterval(S)`` in both processes.
+``sys.setswitchinterval(S)`` in both processes; ``TRACE_THREAD=1`` has the receiver receive on a
+worker thread (as ``bench weight-sync --receive-thread``).
 """
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ async def main(args) -> None:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     specs = [s.model_dump() for s in specs_of(list(state.items()))]
     eng = ProcessEngine(EngineConfig(backend="bench-receiver", model="-", device=str(dev),
-                                     options={"specs": specs, "threads": 1}), factory="trace_cuda_ipc:TracedBench")
+                                     options={"specs": specs, "threads": 1,
+                                              "receive_inline": not os.environ.get("TRACE_THREAD")}), factory="trace_cuda_ipc:TracedBench")
     sync = await session.connect_weight_sync([eng], args.transport, bucket_bytes=int(args.bucket_mb * 2**20),
                                              checksum="none", progress=False)
     times = []

@@ -60,7 +60,7 @@ def _aligned_pairs(device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kernel", ["chunks", "foreach"])
+@pytest.mark.parametrize("kernel", ["chunks", "streams", "foreach"])
 def test_replayed_kernels_copy_every_byte(kernel):
     if kernel == "chunks":
         pytest.importorskip("triton")

@@ -24,6 +24,9 @@ from . import _chunk_copy
 
 logger = logging.getLogger("rollout_engines.weights")
 
+#: Side streams of a "streams" copy.
+STREAMS = 4
+
 _Fingerprint = list[tuple[weakref.ref[torch.Tensor], int]]
 
 
@@ -52,13 +55,15 @@ class SteadyCopier:
     def __init__(self, *, graphs: bool = True, max_graphs: int = 1024, kernel: str | None = None) -> None:
         self.use_graphs = graphs
         self.max_graphs = max_graphs
-        #: What a graph replays: "chunks" (one chunked kernel, where it applies) or "foreach".
+        #: What a graph replays: "chunks" (one chunked kernel, where it applies), "streams" (multi-
+        #: tensor copies on parallel streams) or "foreach" (one multi-tensor copy).
         self.kernel = kernel or os.environ.get("ROLLOUT_ENGINES_COPY_KERNEL", "chunks")
         self.replays = 0  # graph replays so far (tests and benchmarks read it)
         self.chunked = 0  # of those, graphs of the chunked kernel
         # key (ids of every tensor) -> (fingerprint, graph or None when seen once so far, what the
         # graph reads besides the tensors)
         self._known: dict[tuple[int, ...], tuple[_Fingerprint, torch.cuda.CUDAGraph | None, object]] = {}
+        self._streams: list[torch.cuda.Stream] = []
 
     def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         if not dsts:
@@ -105,6 +110,8 @@ class SteadyCopier:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 if table is not None:
                     _chunk_copy.launch(table)
+                elif self.kernel == "streams" and len(dsts) > 1:
+                    self._foreach_on_streams(dsts, srcs)
                 else:
                     torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
         except Exception as exc:  # a graph is an optimisation: copy eagerly from now on
@@ -114,3 +121,26 @@ class SteadyCopier:
         if table is not None:
             self.chunked += 1
         return graph, table
+
+    def _foreach_on_streams(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        """The copies as ``STREAMS`` multi-tensor copies on side streams (forked from and joined to
+        the current stream, so a graph captures them as parallel branches): one foreach launch
+        leaves the GPU idle at its tail, several in parallel fill each other's."""
+        cur = torch.cuda.current_stream()
+        if len(self._streams) < STREAMS:
+            self._streams = [torch.cuda.Stream(device=cur.device) for _ in range(STREAMS)]
+        loads = [0] * STREAMS
+        groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(STREAMS)]
+        for i in sorted(range(len(dsts)), key=lambda i: -dsts[i].numel() * dsts[i].element_size()):
+            k = loads.index(min(loads))  # the least loaded stream takes the next largest copy
+            groups[k][0].append(dsts[i])
+            groups[k][1].append(srcs[i])
+            loads[k] += dsts[i].numel() * dsts[i].element_size()
+        for stream, (d, s) in zip(self._streams, groups, strict=False):
+            if d:
+                stream.wait_stream(cur)
+                with torch.cuda.stream(stream):
+                    torch._foreach_copy_(d, s, non_blocking=True)
+        for stream, (d, _) in zip(self._streams, groups, strict=False):
+            if d:
+                cur.wait_stream(stream)
