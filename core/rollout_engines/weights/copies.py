@@ -57,7 +57,7 @@ class SteadyCopier:
         self.max_graphs = max_graphs
         #: What a graph replays: "chunks" (one chunked kernel, where it applies), "streams" (multi-
         #: tensor copies on parallel streams) or "foreach" (one multi-tensor copy).
-        self.kernel = kernel or os.environ.get("ROLLOUT_ENGINES_COPY_KERNEL", "chunks")
+        self.kernel = kernel or os.environ.get("ROLLOUT_ENGINES_COPY_KERNEL", "streams")
         self.replays = 0  # graph replays so far (tests and benchmarks read it)
         self.chunked = 0  # of those, graphs of the chunked kernel
         # key (ids of every tensor) -> (fingerprint, graph or None when seen once so far, what the

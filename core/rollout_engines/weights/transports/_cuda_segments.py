@@ -211,6 +211,10 @@ class SegmentExporter:
             return {**desc, "close": [h.hex() for _, h, _ in self._releasing.values()]}
         return desc
 
+    def unmapping(self) -> bool:
+        """Whether this push told receivers to unmap segments (the sender lets go once they did)."""
+        return self._close_in is not None
+
     def begin_push(self) -> None:
         self._close_in = None
 

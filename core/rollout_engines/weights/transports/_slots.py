@@ -15,8 +15,10 @@ Signalling costs a few store round trips per push, not per bucket:
   (the sender packs that slot again two buckets later: before a slot is packed again the sender
   waits for the bucket that last used it, so receivers read ``k`` while the trainer packs
   ``k+1``). A bucket the receiver reads where the trainer keeps it anyway (zero-copy ``cuda_ipc``
-  of parameters) is marked ``ack: false``: nothing waits for it, and the acknowledgement of the
-  update's last bucket covers it.
+  of parameters) is marked ``ack: false``: nothing waits for it. When every bucket of an update is
+  such a bucket, the sender does not wait for the last one's acknowledgement either (receivers
+  still send it): nothing of the sender's is reused, and the engine's answer to the receive call,
+  which the session awaits, says the same thing, one process hop sooner.
 
 A receiver opens each slot once (cached by name) and reuses it for every later bucket and update.
 """
@@ -53,6 +55,7 @@ class SlotSender(TransportSender):
         self._stale_logs: list[str] = []  # tokens of earlier updates whose logs are not deleted yet
         self._unacked: list[int] = []  # published, not yet known to be acknowledged by all
         self._must: list[int] = []  # of those, the ones receivers acknowledge at once
+        self._any_must = False  # whether any bucket of this update asked for an acknowledgement
         self._acked_upto = -1
         self._ack_keys = [f"ack/{r}" for r in range(1, world_size)]
 
@@ -103,6 +106,7 @@ class SlotSender(TransportSender):
             self._stale_logs.append(self._token)
         self._token = manifest.session_id
         self._unacked, self._must, self._acked_upto = [], [], -1
+        self._any_must = False
         self._watch.clear_if_failed()
 
     def _drop_log(self, token: str) -> None:
@@ -129,6 +133,7 @@ class SlotSender(TransportSender):
         self._kv.append(f"{self._token}/log", line + "\n")
         self._unacked.append(header.index)
         if ack:
+            self._any_must = True
             self._must.append(header.index)
             while len(self._must) > 1:  # the slot of the previous such bucket must be free when we return
                 self._wait_acked(self._must.pop(0))
@@ -161,6 +166,11 @@ class SlotSender(TransportSender):
     def _acked(self, index: int) -> None:
         """Every receiver is done with bucket ``index``."""
 
+    def _final_ack_needed(self) -> bool:
+        """Whether :meth:`end` must wait for the last bucket's acknowledgement although no bucket
+        of this update asked for one (e.g. receivers unmap memory the sender then lets go)."""
+        return False
+
     def _late(self, index: int) -> WeightSyncError:
         missing = []
         for key, value in zip(self._ack_keys, self._kv.multi_get(self._ack_keys), strict=True):
@@ -175,7 +185,7 @@ class SlotSender(TransportSender):
     def end(self, manifest: WeightManifest) -> None:
         while self._stale_logs:
             self._drop_log(self._stale_logs.pop())
-        if self._unacked:
+        if self._unacked and (self._any_must or self._final_ack_needed()):
             self._wait_acked(self._unacked[-1])
 
     def abort(self, reason: str) -> None:

@@ -85,6 +85,9 @@ class CudaIpcSender(SlotSender):
             cached = self._serialized[header.index] = (shared, json.dumps(shared), all(s[2] for s in shared["segments"]))
         self._publish(header, ack=not cached[2], raw=cached[1])
 
+    def _final_ack_needed(self) -> bool:
+        return self._exporter is not None and self._exporter.unmapping()
+
     def _acked(self, index: int) -> None:
         self._held.pop(index, None)
         if self._exporter is not None:
