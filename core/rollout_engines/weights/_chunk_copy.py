@@ -1,11 +1,15 @@
-"""One kernel that copies many tensors: the work cut into equal chunks, one program per chunk.
+"""One kernel that copies (or checksums) many tensors: the work cut into equal chunks, one program each.
 
 ``torch._foreach_copy_`` launches a kernel per ~80 MiB of a multi-tensor copy (at most 320
-blocks of 64 Ki elements each), and the GPU idles at every launch's tail; one flat copy of the same
-bytes runs about a fifth faster. This kernel (Triton, which comes with PyTorch's CUDA builds)
-gets a table of ``(source address, destination address, words)`` rows, one per chunk of at most
-``CHUNK_BYTES``, and every program copies its chunk in 16-byte words: the whole copy is one
-launch of thousands of equal programs.
+blocks of 64 Ki elements each), and the GPU idles at every launch's tail. This kernel (Triton,
+which comes with PyTorch's CUDA builds) gets a table of ``(source address, destination address,
+words)`` rows, one per chunk of at most ``CHUNK_BYTES``, and every program copies its chunk in
+16-byte words: the whole copy is one launch of thousands of equal programs. On an H200 it copies
+320 tensors of 9.6 MiB at 1898-1973 GB/s (one flat copy: 2054; a replayed foreach: 1817), but
+bucket by bucket (12 launches of 27 tensors) at only 1705-1791 GB/s, below four parallel foreach
+copies (1832), so :class:`~rollout_engines.weights.copies.SteadyCopier` uses it only when
+asked (``kernel="chunks"``). The same tables give the ``sum64`` checksum of a zero-copy bucket in one
+launch (:func:`checksum`) instead of a reduction per tensor.
 
 It applies only where every address and size is a multiple of 16 bytes (what the caching
 allocator and contiguous parameters give); :func:`plan` returns ``None`` otherwise, and the

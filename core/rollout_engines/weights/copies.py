@@ -2,10 +2,14 @@
 
 A zero-copy ``cuda_ipc`` push hands a receiver the same views of the trainer's memory every update,
 and an engine copies them into the same parameters. :class:`SteadyCopier` notices that and, from
-the second time on, replays the bucket's multi-tensor copy as a CUDA graph: one launch, and the
-copy kernel runs faster replayed than launched eagerly (on an H200, 320 tensors of 9.6 MiB:
-1719 GB/s replayed, 1580 GB/s eager, 2074 GB/s for one flat copy of the same bytes; a graph of
-one copy node per tensor reached only 1141 GB/s. See benchmarks/RESULTS.md).
+the second time on, replays the bucket's copies as a CUDA graph: one launch, and the copy kernels
+run faster replayed than launched eagerly. By default the graph holds the bucket's multi-tensor
+copy split over four side streams: one ``_foreach_copy_`` leaves the GPU idle at the tail of each
+of its launches, four in parallel fill each other's (on an H200, 12 buckets of 27 tensors of
+9.6 MiB: 1832 GB/s with four streams, 1668 GB/s with one, 1705 GB/s with the chunked Triton kernel
+of :mod:`._chunk_copy`, against 2054 GB/s for one flat copy of the same bytes; see
+benchmarks/RESULTS.md). ``kernel="foreach"`` or ``"chunks"`` (or ``ROLLOUT_ENGINES_COPY_KERNEL``)
+replays those instead.
 
 Anything else (CPU tensors, tensors seen for the first time, a capture that fails) is copied with
 one eager ``_foreach_copy_``.
