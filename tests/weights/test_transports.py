@@ -239,3 +239,21 @@ async def test_disk_load_latest(tmp_path, engine):
     assert manifest.version == 3
     for name, t in state(3).items():
         assert torch.equal(tensors[name], t)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is visible")
+def test_nccl_without_a_gpu_is_refused_with_the_cpu_alternative():
+    """``nccl`` cannot run on a CPU: both halves say so, naming ``gloo``, before any data moves."""
+    from rollout_engines.bench.weight_sync import BenchReceiverEngine
+    from rollout_engines.types import EngineConfig
+    from rollout_engines.weights.manifest import TensorSpec
+    from rollout_engines.weights.session import connect_weight_sync
+    from rollout_engines.weights.transports.broadcast import NcclReceiver
+
+    spec = TensorSpec(name="w", dtype="float32", shape=(4,))
+    engine = BenchReceiverEngine(EngineConfig(backend="bench-receiver", model="-", options={"specs": [spec.model_dump()]}))
+    with pytest.raises(WeightSyncError, match="nccl needs a CUDA device.*gloo"):
+        asyncio.run(connect_weight_sync([engine], "nccl", timeout_s=5))
+    tspec = TransportSpec(transport="nccl", session_id="s", world_size=2, timeout_s=5, options={})
+    with pytest.raises(WeightSyncError, match="CUDA device, not cpu.*gloo"):
+        NcclReceiver(tspec, rank=1, device="cpu")
