@@ -73,13 +73,8 @@ def _kernels() -> tuple[Any, Any] | None:
     return copy_chunks, sum_chunks
 
 
-def _kernel() -> Any | None:
-    kernels = _kernels()
-    return kernels[0] if kernels is not None else None
-
-
 def available() -> bool:
-    return torch.cuda.is_available() and _kernel() is not None
+    return torch.cuda.is_available() and _kernels() is not None
 
 
 def plan(
@@ -110,9 +105,9 @@ def plan(
 def launch(table: torch.Tensor, chunk_bytes: int = CHUNK_BYTES, block: int = _BLOCK, num_warps: int = _WARPS) -> None:
     """Run the copies of a table from :func:`plan` (made with the same ``chunk_bytes``) on the
     current stream."""
-    kernel = _kernel()
-    assert kernel is not None
-    kernel[(table.numel() // 3,)](table, CHUNK=chunk_bytes // 4, BLOCK=block, num_warps=num_warps)
+    kernels = _kernels()
+    assert kernels is not None
+    kernels[0][(table.numel() // 3,)](table, CHUNK=chunk_bytes // 4, BLOCK=block, num_warps=num_warps)
 
 
 def checksum(table: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from . import _chunk_copy
 from .manifest import TensorPlacement, WeightManifest
 
 
@@ -109,8 +110,6 @@ def checksum_tensors(tensors: Sequence[torch.Tensor], algo: str = "sum64") -> in
     if tensors[0].is_cuda:
         table = _sum_table(tensors)
         if table is not None:  # one chunked kernel for the whole bucket (rather than a sum per tensor)
-            from . import _chunk_copy
-
             return int(_chunk_copy.checksum(table).item())
     parts: list[torch.Tensor] = []
     total = 0
@@ -136,8 +135,6 @@ _SUM_TABLES: dict[tuple[tuple[int, int, bool], ...], torch.Tensor | None] = {}
 
 
 def _sum_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    from . import _chunk_copy
-
     if not _chunk_copy.available():
         return None
     key = tuple((t.data_ptr(), t.numel() * t.element_size(), t.is_contiguous()) for t in tensors)

@@ -63,7 +63,7 @@ class SteadyCopier:
         #: tensor copies on parallel streams) or "foreach" (one multi-tensor copy).
         self.kernel = kernel or os.environ.get("ROLLOUT_ENGINES_COPY_KERNEL", "streams")
         self.replays = 0  # graph replays so far (tests and benchmarks read it)
-        self.chunked = 0  # of those, graphs of the chunked kernel
+        self.chunked = 0  # graphs captured with the chunked kernel
         # key (ids of every tensor) -> (fingerprint, graph or None when seen once so far, what the
         # graph reads besides the tensors)
         self._known: dict[tuple[int, ...], tuple[_Fingerprint, torch.cuda.CUDAGraph | None, object]] = {}
