@@ -120,7 +120,7 @@ class SglangNcclSender(TransportSender):
         dev = self.options.get("device")
         self._device = torch.device(dev) if dev is not None else torch.device("cuda", torch.cuda.current_device())
         self._store, spec = _store.host_store(self.options, timeout_s)
-        self._kv = _store.session_store(self._store, session_id)
+        self._kv = _store.session_store(self._store, session_id, spec["secret"])
         host = str(self.options.get("host", _store.DEFAULT_HOST))
         self._spec = {
             **spec,
@@ -209,7 +209,9 @@ class SglangNcclControl:
 
     def __init__(self, spec: TransportSpec) -> None:
         self.spec = spec
-        self._kv = _store.session_store(_store.join_store(spec.options, spec.timeout_s), spec.session_id)
+        self._kv = _store.session_store(
+            _store.join_store(spec.options, spec.timeout_s), spec.session_id, _store.session_secret(spec.options)
+        )
         self.group_name: str = spec.options["group_name"]
         self.host: str = spec.options["host"]
         self.group_port: int = int(spec.options["group_port"])
@@ -241,7 +243,7 @@ class SglangNcclControl:
                 )
 
         _store.poll(
-            lambda: self._kv.check([go]), timeout_s=self.spec.timeout_s, check=check,
+            lambda: self._kv.check([go]) and self._kv.get(go) == b"1", timeout_s=self.spec.timeout_s, check=check,
             on_timeout=lambda: WeightSyncError(
                 f"sglang_nccl: bucket {index} of update v{manifest.version} did not come within "
                 f"{self.spec.timeout_s:.0f} s", peer=_store.TRAINER, bucket=index,

@@ -21,7 +21,7 @@ def test_layout_places_tp_ranks_after_the_trainer() -> None:
 
 def _session(engines: int):
     store, spec = _store.host_store({}, timeout_s=10)
-    kv = _store.session_store(store, "s1")
+    kv = _store.session_store(store, "s1", spec["secret"])
     specs = [
         TransportSpec(
             transport="sglang_nccl", session_id="s1", rank_offset=o, world_size=engines + 1, timeout_s=5,

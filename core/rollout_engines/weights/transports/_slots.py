@@ -7,7 +7,8 @@ device buffers). The sender owns two slots and hands them to the session as its 
 Signalling costs a few store round trips per push, not per bucket:
 
 - the sender appends each bucket's description (header, slot name; one JSON line, optionally
-  followed by a tab and a document the receiver keeps unparsed) to one log per update,
+  followed by a tab and a document the receiver keeps unparsed; each line signed, see
+  :class:`._store.SignedStore`, so segment names and pointers come only from the trainer) to one log per update,
   ``<token>/log``; a receiver reads everything published so far with one ``get`` and waits only
   when the bucket it needs is not there yet;
 - each receiver acknowledges with one key, ``ack/<rank>`` = ``<token>:<index>``: every bucket up
@@ -47,7 +48,7 @@ class SlotSender(TransportSender):
     def __init__(self, *, session_id: str, world_size: int, timeout_s: float, options: dict[str, Any]):
         super().__init__(session_id=session_id, world_size=world_size, timeout_s=timeout_s, options=options)
         self._store, self._spec = _store.host_store(self.options, timeout_s)
-        self._kv = _store.session_store(self._store, session_id)
+        self._kv = _store.session_store(self._store, session_id, self._spec["secret"])
         self._watch = _store.PeerWatch(self._kv, range(1, world_size), self._spec["dead_after_s"])
         self._slots: list[tuple[str, Any, torch.Tensor] | None] = [None, None]
         self._made = 0
@@ -129,8 +130,7 @@ class SlotSender(TransportSender):
         description that comes back unchanged push after push is serialized, and read, once)."""
         info = header.model_dump(exclude={"ABORT"})
         info.update(self._ready(), ack=ack, **extra)
-        line = json.dumps(info) + ("\t" + raw if raw else "")
-        self._kv.append(f"{self._token}/log", line + "\n")
+        self._kv.append_line(f"{self._token}/log", json.dumps(info) + ("\t" + raw if raw else ""))
         self._unacked.append(header.index)
         if ack:
             self._any_must = True
@@ -241,7 +241,10 @@ class SlotReceiver(TransportReceiver):
 
     # -- protocol --
     def connect(self) -> None:
-        self._kv = _store.session_store(_store.join_store(self.spec.options, self.timeout_s), self.spec.session_id)
+        secret = _store.session_secret(self.spec.options)
+        self._kv = _store.session_store(
+            _store.join_store(self.spec.options, self.timeout_s), self.spec.session_id, secret
+        )
         self._kv.set(f"ack/{self.rank}", "-:-1")  # before the first heartbeat: the sender reads it from then on
         self._beat = _store.Heartbeat(self.spec.options, self.spec.session_id, self.rank, self.timeout_s)
 
@@ -302,9 +305,8 @@ class SlotReceiver(TransportReceiver):
         key = f"{self._token}/log"
         if not self._log_read and not self._kv.check([key]):
             return False
-        log = self._kv.get(key)
-        fresh, self._log_read = log[self._log_read:], len(log)
-        for line in fresh.decode().splitlines():
+        lines, self._log_read = self._kv.read_lines(key, self._log_read)
+        for line in lines:
             head, _, raw = line.partition("\t")
             info = json.loads(head)
             if raw:

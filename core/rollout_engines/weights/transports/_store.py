@@ -11,13 +11,27 @@ the peers are still there:
   stops waiting for it at once instead of at the timeout;
 - the sender publishes an abort as ``abort/<token>``; the sender's death closes the store, which
   the receivers' heartbeat threads notice within a beat.
+
+Security: a ``TCPStore`` has no authentication, so every value a member writes through
+:class:`SignedStore` carries an HMAC-SHA256 of its key and bytes under a per-session secret that
+the sender makes and that reaches receivers inside the ``TransportSpec`` (over the control path
+that is already trusted: a pipe, a Ray actor call, the server's authenticated ``/weights/init``).
+A value without a valid signature raises :class:`WeightSyncError` naming the key. Only the
+counters (heartbeats, the failure count; ``add`` cannot carry a signature) are unsigned: forging
+them can delay the detection of a dead peer, never change what is applied. The store listens on
+loopback unless the sender is given another address (``options={'host': ...}``, for engines on
+other hosts; firewall that port to the engines' hosts, see SECURITY.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import hmac
+import ipaddress
 import logging
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -40,13 +54,39 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket bound to exactly ``host`` (a ``TCPStore`` given only a host name listens
+    on every interface; handed a socket it listens where the socket does)."""
+    family = socket.AF_INET
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            family = socket.AF_INET6
+    except ValueError:  # a host name: resolve it to the address it names
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def host_store(options: dict[str, Any], timeout_s: float) -> tuple[dist.TCPStore, dict[str, Any]]:
-    """Host the session's store (port 0 = the OS picks a free port, no race between pick and bind)."""
+    """Host the session's store on ``options['host']`` (default loopback) and make the session's
+    signing secret. Port 0 = the OS picks a free port (no race between pick and bind). The returned
+    spec (address, secret, liveness settings) is what receivers need to join."""
     host = str(options.get("host", DEFAULT_HOST))
     try:
+        sock = _listen(host, int(options.get("port", 0)))
+        port = sock.getsockname()[1]
         store = dist.TCPStore(
-            host, int(options.get("port", 0)), is_master=True, wait_for_workers=False, timeout=_td(timeout_s)
+            host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s),
+            use_libuv=False, master_listen_fd=sock.fileno(),
         )
+        sock.detach()  # the store owns the descriptor now
     except Exception as exc:
         raise WeightSyncError(
             f"could not host the weight-sync rendezvous store on {host}:{options.get('port', 0)}: {exc}. "
@@ -56,6 +96,7 @@ def host_store(options: dict[str, Any], timeout_s: float) -> tuple[dist.TCPStore
         "host": str(options.get("advertise_host", host)),
         "port": store.port,
         "dead_after_s": float(options.get("dead_after_s", DEFAULT_DEAD_AFTER_S)),
+        "secret": secrets.token_hex(32),
     }
     return store, spec
 
@@ -72,8 +113,84 @@ def join_store(options: dict[str, Any], timeout_s: float) -> dist.TCPStore:
         ) from exc
 
 
-def session_store(store: dist.Store, session_id: str) -> dist.PrefixStore:
-    return dist.PrefixStore(f"roe/{session_id}/", store)
+def session_secret(options: dict[str, Any]) -> str:
+    """The session's signing secret from a spec's options (receivers refuse to join without it)."""
+    secret = options.get("secret")
+    if not isinstance(secret, str) or len(secret) < 32:
+        raise WeightSyncError(
+            "the weight-sync spec carries no signing secret; open sessions with connect_weight_sync(), "
+            "which puts the sender's secret in every engine's TransportSpec", peer=TRAINER,
+        )
+    return secret
+
+
+class SignedStore:
+    """One session's view of the store: keys under ``roe/<session>/``, values signed and checked.
+
+    ``set``/``get``/``multi_get`` and the line log (``append_line``/``read_lines``) carry an
+    HMAC-SHA256 (first 16 bytes, hex) of key and value; ``check``, ``add`` and ``delete_key`` pass
+    through. ``raw`` is the unsigned prefix store (for ``torch.distributed`` rendezvous).
+    """
+
+    _MAC = 32  # hex characters of the signature in front of every value
+
+    def __init__(self, store: dist.Store, session_id: str, secret: str) -> None:
+        self.raw = dist.PrefixStore(f"roe/{session_id}/", store)
+        self._secret = bytes.fromhex(secret)
+
+    def _sign(self, key: str, value: bytes) -> bytes:
+        return hmac.digest(self._secret, key.encode() + b"\0" + value, "sha256")[: self._MAC // 2].hex().encode()
+
+    def _open(self, key: str, blob: bytes) -> bytes:
+        mac, value = blob[: self._MAC], blob[self._MAC + 1 :]
+        if len(blob) <= self._MAC or blob[self._MAC : self._MAC + 1] != b"|" or not hmac.compare_digest(
+            mac, self._sign(key, value)
+        ):
+            raise WeightSyncError(
+                f"the weight-sync store value '{key}' is not signed by this session; something other than "
+                "the trainer and its engines wrote to the store. The update is refused; keep the store "
+                "on loopback or firewall its port (SECURITY.md)", peer="store",
+            )
+        return value
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data = value.encode() if isinstance(value, str) else value
+        self.raw.set(key, self._sign(key, data) + b"|" + data)  # type: ignore[arg-type]  # bytes are accepted
+
+    def get(self, key: str) -> bytes:
+        return self._open(key, self.raw.get(key))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self._open(k, v) for k, v in zip(keys, self.raw.multi_get(keys), strict=True)]
+
+    def append_line(self, key: str, line: str) -> None:
+        """Append one line (no newline inside) to the log under ``key``."""
+        data = line.encode()
+        self.raw.append(key, self._sign(key, data) + b"|" + data + b"\n")  # type: ignore[arg-type]
+
+    def read_lines(self, key: str, offset: int) -> tuple[list[str], int]:
+        """The lines appended to ``key`` past byte ``offset``, each checked, and the new offset."""
+        log = self.raw.get(key)
+        fresh = log[offset:]
+        end = fresh.rfind(b"\n") + 1  # a line still being written is read next time
+        lines = [self._open(key, line).decode() for line in fresh[:end].splitlines()]
+        return lines, offset + end
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self.raw.check(keys))
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+        self.raw.wait(keys, timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.raw.add(key, amount))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.raw.delete_key(key))
+
+
+def session_store(store: dist.Store, session_id: str, secret: str) -> SignedStore:
+    return SignedStore(store, session_id, secret)
 
 
 def poll(
@@ -114,7 +231,7 @@ class Heartbeat:
     notices when the trainer (which hosts the store) is gone."""
 
     def __init__(self, options: dict[str, Any], session_id: str, rank: int, timeout_s: float) -> None:
-        self._store = session_store(join_store(options, timeout_s), session_id)
+        self._store = session_store(join_store(options, timeout_s), session_id, session_secret(options))
         self._key = f"hb/{rank}"
         self._store.add(self._key, 1)
         self.error: Exception | None = None
@@ -142,7 +259,7 @@ class Heartbeat:
 class PeerWatch:
     """Sender side: which receivers reported a failure, and which stopped beating."""
 
-    def __init__(self, store: dist.Store, ranks: Iterable[int], dead_after_s: float) -> None:
+    def __init__(self, store: SignedStore, ranks: Iterable[int], dead_after_s: float) -> None:
         self.store, self.ranks, self.dead_after_s = store, list(ranks), dead_after_s
         now = time.monotonic()
         self._beats: dict[int, tuple[int, float]] = {r: (-1, now) for r in self.ranks}
@@ -156,7 +273,7 @@ class PeerWatch:
         for r in self.ranks:
             key = f"failed/{r}"
             if self.store.check([key]):
-                out[r] = self.store.get(key).decode(errors="replace")
+                out[r] = _printable(self.store.get(key).decode(errors="replace"))
         return out
 
     def dead_ranks(self) -> list[int]:
@@ -226,12 +343,12 @@ def trainer_link(bucket: int | None) -> Iterator[None]:
         raise WeightSyncError(f"lost the trainer's rendezvous store ({_short(exc)})", peer=TRAINER, bucket=bucket) from exc
 
 
-def report_progress(store: dist.Store, rank: int, index: int) -> None:
+def report_progress(store: SignedStore, rank: int, index: int) -> None:
     """Receiver side: bucket ``index`` arrived (names the right bucket if this rank dies next)."""
     store.set(f"got/{rank}", str(index))
 
 
-def report_failure(store: dist.Store, rank: int, reason: str) -> None:
+def report_failure(store: SignedStore, rank: int, reason: str) -> None:
     """Receiver side: tell the sender this rank gave up on the current update (best effort)."""
     try:
         store.set(f"failed/{rank}", reason[:500])
@@ -240,13 +357,18 @@ def report_failure(store: dist.Store, rank: int, reason: str) -> None:
         logger.debug("could not report the failure of rank %d", rank, exc_info=True)
 
 
-def raise_if_aborted(store: dist.Store, key: str, kind: str, bucket: int | None) -> None:
+def raise_if_aborted(store: SignedStore, key: str, kind: str, bucket: int | None) -> None:
     """Raise the receiver's WeightSyncError if the trainer posted an abort under ``key``."""
     if store.check([key]):
-        reason = store.get(key).decode(errors="replace")
+        reason = _printable(store.get(key).decode(errors="replace"))
         raise WeightSyncError(f"{kind}: the trainer aborted the update: {reason}", peer=TRAINER, bucket=bucket)
 
 
 def _short(exc: BaseException) -> str:
     text = str(exc).split(". This is typically")[0]
     return f"{type(exc).__name__}: {text[:300]}"
+
+
+def _printable(text: str, limit: int = 500) -> str:
+    """A peer's free-text reason as one bounded line of printable characters."""
+    return "".join(c if c.isprintable() else " " for c in text[:limit])

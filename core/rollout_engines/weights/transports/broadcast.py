@@ -101,7 +101,7 @@ class _BroadcastSender(TransportSender):
         super().__init__(session_id=session_id, world_size=world_size, timeout_s=timeout_s, options=options)
         self._device = self._pick_device()
         self._store, self._spec = _store.host_store(self.options, timeout_s)
-        self._kv = _store.session_store(self._store, session_id)
+        self._kv = _store.session_store(self._store, session_id, self._spec["secret"])
         self._watch = _store.PeerWatch(self._kv, range(1, world_size), self._spec["dead_after_s"])
         self._gen = 0
         self._pg: Any = None
@@ -126,7 +126,7 @@ class _BroadcastSender(TransportSender):
     def _join(self, gen: int) -> Any:
         try:
             return _make_group(
-                self.kind, dist.PrefixStore(f"g{gen}/", self._kv), 0, self.world_size, self.timeout_s, self._device
+                self.kind, dist.PrefixStore(f"g{gen}/", self._kv.raw), 0, self.world_size, self.timeout_s, self._device
             )
         except Exception as exc:
             dead = self._watch.dead_ranks()
@@ -203,7 +203,8 @@ class _BroadcastSender(TransportSender):
         keys = [f"done/{self._token}/{r}" for r in range(1, self.world_size)]
         try:
             _store.poll(
-                lambda: bool(self._kv.check(keys)), timeout_s=self.timeout_s,
+                lambda: self._kv.check(keys) and all(v == b"1" for v in self._kv.multi_get(keys)),
+                timeout_s=self.timeout_s,
                 check=lambda: self._watch.check(last), peer="receivers", bucket=last,
                 on_timeout=lambda: WeightSyncError(
                     f"{self.kind}: receivers did not confirm update v{manifest.version} within "
@@ -256,14 +257,14 @@ class _BroadcastReceiver(TransportReceiver):
     def connect(self) -> None:
         opts = self.spec.options
         self._store = _store.join_store(opts, self.timeout_s)
-        self._kv = _store.session_store(self._store, self.spec.session_id)
+        self._kv = _store.session_store(self._store, self.spec.session_id, _store.session_secret(opts))
         self._beat = _store.Heartbeat(opts, self.spec.session_id, self.rank, self.timeout_s)
         self._pg = self._join(0)
 
     def _join(self, gen: int) -> Any:
         try:
             return _make_group(
-                self.kind, dist.PrefixStore(f"g{gen}/", self._kv), self.rank, self.spec.world_size,
+                self.kind, dist.PrefixStore(f"g{gen}/", self._kv.raw), self.rank, self.spec.world_size,
                 self.timeout_s, self.device,
             )
         except Exception as exc:
@@ -326,7 +327,7 @@ class _BroadcastReceiver(TransportReceiver):
             if header.status == BucketHeader.ABORT:
                 key = f"abort/{self._token}"
                 if self._kv.check([key]):
-                    header.reason = self._kv.get(key).decode(errors="replace")
+                    header.reason = _store._printable(self._kv.get(key).decode(errors="replace"))
                 return header, torch.empty(0, dtype=torch.uint8, device=self.device)
             if header.index != index or header.nbytes != nbytes:
                 raise WeightSyncError(

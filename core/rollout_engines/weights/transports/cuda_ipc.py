@@ -2,8 +2,8 @@
 
 The same protocol as ``shm`` (see :mod:`._slots`), with device memory: the sender owns two bucket
 buffers on its GPU, reused in turn, and shares each once as a CUDA IPC handle
-(``torch.multiprocessing.reductions.reduce_tensor``, pickled to bytes) stored in the session's
-TCPStore under the GPU's UUID. A receiver looks the handle up under *its* device's UUID (the
+(the fields of ``torch.multiprocessing.reductions.reduce_tensor``'s answer as plain JSON, base64
+for the handle bytes; never a pickle) stored, signed, in the session's TCPStore under the GPU's UUID. A receiver looks the handle up under *its* device's UUID (the
 index of one GPU differs between processes with different ``CUDA_VISIBLE_DEVICES``; the UUID does
 not), rebuilds it with its own device index, and keeps it open for every later bucket and update:
 handles are opened once per slot, never per tensor or per bucket.
@@ -20,9 +20,9 @@ done before the sender packs the slot again, or before the trainer changes its t
 
 from __future__ import annotations
 
+import base64
 import json
 import os
-import pickle
 import weakref
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -35,9 +35,6 @@ from ..manifest import TransportSpec, WeightManifest
 from ._cuda_segments import SegmentExporter, SegmentImporter
 from ._slots import SlotReceiver, SlotSender
 from ._store import TRAINER
-
-#: Position of the device index in the argument tuple of ``rebuild_cuda_tensor``.
-_DEVICE_ARG = 6
 
 #: Slots made by senders in this process, by name: CUDA refuses to open a process's own IPC
 #: handle, so an engine hosted beside the trainer reads the slot itself.
@@ -55,6 +52,51 @@ def _cuda_device(device: torch.device | str | None) -> torch.device:
     if dev.type != "cuda":
         raise WeightSyncError(f"cuda_ipc works on CUDA devices, not {dev}; use 'shm' on the CPU")
     return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _b64(value: bytes | None) -> str | None:
+    return None if value is None else base64.b64encode(value).decode()
+
+
+def _unb64(value: Any, field: str) -> bytes | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise WeightSyncError(f"cuda_ipc: handle field '{field}' is not a base64 string", peer=TRAINER)
+    return base64.b64decode(value, validate=True)
+
+
+def handle_to_json(args: Sequence[Any]) -> str:
+    """The fields of ``reduce_tensor``'s rebuild arguments for a flat uint8 CUDA buffer, as JSON."""
+    (_, size, stride, offset, _, dtype, _, handle, storage_size, storage_offset, _, ref_handle, ref_offset,
+     event_handle, event_sync) = args
+    if dtype != torch.uint8 or len(size) != 1:
+        raise WeightSyncError("cuda_ipc: slots are flat uint8 buffers")
+    return json.dumps({
+        "size": int(size[0]), "stride": int(stride[0]), "offset": int(offset), "handle": _b64(handle),
+        "storage_size": int(storage_size), "storage_offset": int(storage_offset), "ref_handle": _b64(ref_handle),
+        "ref_offset": int(ref_offset), "event_handle": _b64(event_handle), "event_sync": bool(event_sync),
+    })
+
+
+def handle_from_json(data: bytes, device_index: int) -> tuple[Any, ...]:
+    """``rebuild_cuda_tensor``'s arguments from :func:`handle_to_json`'s text: types checked, the
+    tensor and storage classes and the dtype fixed here (nothing named by the peer is imported)."""
+    try:
+        d = json.loads(data)
+        ints = {k: d[k] for k in ("size", "stride", "offset", "storage_size", "storage_offset", "ref_offset")}
+        if not all(type(v) is int and v >= 0 for v in ints.values()) or type(d["event_sync"]) is not bool:
+            raise ValueError("sizes and offsets must be non-negative integers")
+        return (
+            torch.Tensor, (ints["size"],), (ints["stride"],), ints["offset"], torch.storage.TypedStorage,
+            torch.uint8, device_index, _unb64(d["handle"], "handle"), ints["storage_size"],
+            ints["storage_offset"], False, _unb64(d["ref_handle"], "ref_handle"), ints["ref_offset"],
+            _unb64(d["event_handle"], "event_handle"), d["event_sync"],
+        )
+    except WeightSyncError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise WeightSyncError(f"cuda_ipc: malformed buffer handle from the trainer: {exc}", peer=TRAINER) from exc
 
 
 class CudaIpcSender(SlotSender):
@@ -121,9 +163,7 @@ class CudaIpcSender(SlotSender):
         _LOCAL_SLOTS[name] = tensor
         # Only the arguments travel, not the rebuild function: a library in this process may have
         # patched torch's reductions (SGLang does) with functions a receiver cannot import.
-        args = list(reduce_tensor(tensor)[1])
-        args[_DEVICE_ARG] = self._device.index
-        self._kv.set(f"handle/{self._uuid}/{name}", pickle.dumps(tuple(args)))  # type: ignore[arg-type]  # bytes are accepted
+        self._kv.set(f"handle/{self._uuid}/{name}", handle_to_json(reduce_tensor(tensor)[1]))
         return None, tensor
 
     def _free_slot(self, name: str, handle: Any) -> None:
@@ -187,8 +227,7 @@ class CudaIpcReceiver(SlotReceiver):
             return None, local  # the trainer is this process: no handle to open
         from torch.multiprocessing import reductions
 
-        args = list(pickle.loads(self._kv.get(key)))
-        args[_DEVICE_ARG] = self.device.index  # this process's index of that GPU
+        args = handle_from_json(self._kv.get(key), self.device.index)  # this process's index of that GPU
         # torch's own rebuild, also where a library patched it (SGLang keeps the original aside).
         rebuild = getattr(reductions, "_rebuild_cuda_tensor_original", reductions.rebuild_cuda_tensor)
         try:
