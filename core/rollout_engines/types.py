@@ -2,6 +2,30 @@
 
 Everything a caller hands in or gets back is validated here, so a backend can trust what it
 receives and a mistake is reported with the field that caused it.
+
+Request limits
+--------------
+Every value a request carries is bounded here, so that no single request can overflow a backend's
+integer types or stall an engine (and the requests batched with it) before a length check runs.
+The limits are module constants, read when a request is validated:
+
+- ``MAX_TOKEN_ID`` = 2**31-1: the largest token id (prompts, ``stop_token_ids``);
+- ``MAX_TOP_K`` = 2**31-1: the largest ``top_k``; engines clamp a ``top_k`` above the vocabulary
+  to the vocabulary (as vLLM does);
+- ``MAX_TOKENS`` = 2**20: the largest ``max_tokens``;
+- ``MAX_N`` = 1024: the largest ``n`` (samples per prompt);
+- ``MAX_SEQUENCES`` = 4096: the largest batch size x ``n`` of one request;
+- ``MAX_LOGPROBS`` = 20: the largest ``logprobs``;
+- ``MIN_SEED`` = -2**63, ``MAX_SEED`` = 2**63-1: ``seed`` fits a signed 64-bit integer;
+- ``MAX_STOP_STRINGS`` = 128 stop strings, each of at most ``MAX_STOP_STRING_CHARS`` = 1024
+  characters; ``MAX_STOP_TOKEN_IDS`` = 1024 stop token ids;
+- ``MAX_PROMPT_CHARS`` = 2**22 (about 4 M): characters of one text prompt, or of one chat's
+  message contents together, checked before anything is tokenized;
+- ``MAX_PROMPT_TOKENS`` = 2**20: tokens of one ``prompt_token_ids`` prompt;
+- ``MAX_CHAT_MESSAGES`` = 4096: messages in one conversation.
+
+A request past a limit fails validation (pydantic's ``ValidationError``; the HTTP server answers
+422) with a message that names the limit and what to do instead.
 """
 
 from __future__ import annotations
@@ -12,6 +36,31 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 FinishReason = Literal["stop", "length", "abort"]
+
+MAX_TOKEN_ID = 2**31 - 1
+MAX_TOP_K = 2**31 - 1
+MAX_TOKENS = 2**20
+MAX_N = 1024
+MAX_SEQUENCES = 4096
+MAX_LOGPROBS = 20
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_PROMPT_CHARS = 2**22
+MAX_PROMPT_TOKENS = 2**20
+MAX_CHAT_MESSAGES = 4096
+
+
+def _check_token_ids(ids: list[int], what: str) -> None:
+    for t in ids:
+        if t < 0:
+            raise ValueError(f"{what}: token ids must be >= 0, got {t}")
+        if t > MAX_TOKEN_ID:
+            raise ValueError(
+                f"{what}: token id {t} is above MAX_TOKEN_ID ({MAX_TOKEN_ID}, 2**31-1); "
+                "token ids must come from the model's vocabulary"
+            )
 
 
 class _Model(BaseModel):
@@ -37,39 +86,126 @@ class SamplingParams(_Model):
 
     temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1, description="-1 disables top-k.")
+    top_k: int = Field(
+        default=-1, ge=-1,
+        description=f"-1 disables top-k; at most MAX_TOP_K ({MAX_TOP_K}); above the vocabulary it is the vocabulary.",
+    )
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    max_tokens: int = Field(default=16, ge=1)
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    max_tokens: int = Field(default=16, ge=1, description=f"At most MAX_TOKENS ({MAX_TOKENS}).")
+    stop: list[str] = Field(
+        default_factory=list,
+        description=f"At most MAX_STOP_STRINGS ({MAX_STOP_STRINGS}) of at most {MAX_STOP_STRING_CHARS} characters.",
+    )
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description=f"At most MAX_STOP_TOKEN_IDS ({MAX_STOP_TOKEN_IDS}) ids."
+    )
     ignore_eos: bool = False
-    seed: int | None = None
-    logprobs: int | None = Field(default=None, ge=0, description="Return the sampled token's logprob.")
-    n: int = Field(default=1, ge=1)
+    seed: int | None = Field(default=None, description="A signed 64-bit integer.")
+    logprobs: int | None = Field(
+        default=None, ge=0, description=f"Return the sampled token's logprob; at most MAX_LOGPROBS ({MAX_LOGPROBS})."
+    )
+    n: int = Field(default=1, ge=1, description=f"Samples per prompt; at most MAX_N ({MAX_N}).")
 
     @field_validator("top_k")
     @classmethod
-    def _top_k_not_zero(cls, v: int) -> int:
+    def _top_k_valid(cls, v: int) -> int:
         if v == 0:
             raise ValueError("top_k must be -1 (disabled) or >= 1")
+        if v > MAX_TOP_K:
+            raise ValueError(
+                f"top_k={v} is above MAX_TOP_K ({MAX_TOP_K}, 2**31-1); use -1 to disable top-k "
+                "(a top_k above the vocabulary size means the whole vocabulary)"
+            )
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_bounded(cls, v: int) -> int:
+        if v > MAX_TOKENS:
+            raise ValueError(
+                f"max_tokens={v} is above MAX_TOKENS ({MAX_TOKENS}); ask for at most that many "
+                "(the engine's context window caps generation anyway)"
+            )
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n_bounded(cls, v: int) -> int:
+        if v > MAX_N:
+            raise ValueError(f"n={v} is above MAX_N ({MAX_N}); split the samples over several requests")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_bounded(cls, v: int | None) -> int | None:
+        if v is not None and v > MAX_LOGPROBS:
+            raise ValueError(f"logprobs={v} is above MAX_LOGPROBS ({MAX_LOGPROBS}); ask for at most {MAX_LOGPROBS}")
+        return v
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_64_bits(cls, v: int | None) -> int | None:
+        if v is not None and not MIN_SEED <= v <= MAX_SEED:
+            raise ValueError(
+                f"seed={v} does not fit a signed 64-bit integer [MIN_SEED, MAX_SEED] = [-2**63, 2**63-1]; "
+                "reduce it, e.g. seed % 2**63"
+            )
         return v
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_list(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
+        v = [v] if isinstance(v, str) else v
+        # Checked before the items are validated: a huge list is refused without walking it.
+        if isinstance(v, list | tuple) and len(v) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"{len(v)} stop strings is more than MAX_STOP_STRINGS ({MAX_STOP_STRINGS}); "
+                "pass fewer (cut the text afterwards for the rest)"
+            )
+        return v
 
     @field_validator("stop")
     @classmethod
-    def _stop_non_empty(cls, v: list[str]) -> list[str]:
+    def _stop_strings_valid(cls, v: list[str]) -> list[str]:
         if any(s == "" for s in v):
             raise ValueError("stop strings must be non-empty")
+        long = next((s for s in v if len(s) > MAX_STOP_STRING_CHARS), None)
+        if long is not None:
+            raise ValueError(
+                f"a stop string of {len(long)} characters is longer than MAX_STOP_STRING_CHARS "
+                f"({MAX_STOP_STRING_CHARS}); use a shorter one"
+            )
+        return v
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_token_ids_count(cls, v: Any) -> Any:
+        if isinstance(v, list | tuple) and len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"{len(v)} stop token ids is more than MAX_STOP_TOKEN_IDS ({MAX_STOP_TOKEN_IDS}); pass fewer"
+            )
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids_valid(cls, v: list[int]) -> list[int]:
+        _check_token_ids(v, "stop_token_ids")
         return v
 
 
 class ChatMessage(_Model):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str = Field(description=f"At most MAX_PROMPT_CHARS ({MAX_PROMPT_CHARS}) characters per chat.")
+
+    @field_validator("content")
+    @classmethod
+    def _content_bounded(cls, v: str) -> str:
+        if len(v) > MAX_PROMPT_CHARS:
+            raise ValueError(
+                f"message content of {len(v)} characters is longer than MAX_PROMPT_CHARS ({MAX_PROMPT_CHARS}); "
+                "shorten it"
+            )
+        return v
 
 
 class GenerateRequest(_Model):
@@ -81,14 +217,58 @@ class GenerateRequest(_Model):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     session_id: str | None = Field(default=None, description="Routes a multi-turn session to one engine.")
 
+    @field_validator("prompt_token_ids", "prompts", "messages", mode="before")
+    @classmethod
+    def _batch_bounded(cls, v: Any) -> Any:
+        # Checked before the items are validated: a huge batch is refused without walking it.
+        if isinstance(v, list | tuple) and len(v) > MAX_SEQUENCES:
+            raise ValueError(
+                f"{len(v)} prompts is more than MAX_SEQUENCES ({MAX_SEQUENCES}) sequences per request; "
+                "split the batch over several requests"
+            )
+        return v
+
     @field_validator("prompt_token_ids")
     @classmethod
     def _ids_valid(cls, v: list[list[int]] | None) -> list[list[int]] | None:
         if v is not None:
-            if any(len(p) == 0 for p in v):
-                raise ValueError("every prompt needs at least one token")
-            if any(t < 0 for p in v for t in p):
-                raise ValueError("token ids must be >= 0")
+            for i, p in enumerate(v):
+                if len(p) == 0:
+                    raise ValueError("every prompt needs at least one token")
+                if len(p) > MAX_PROMPT_TOKENS:
+                    raise ValueError(
+                        f"prompt {i} has {len(p)} tokens, more than MAX_PROMPT_TOKENS ({MAX_PROMPT_TOKENS}); "
+                        "shorten it"
+                    )
+                _check_token_ids(p, f"prompt {i}")
+        return v
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts_bounded(cls, v: list[str] | None) -> list[str] | None:
+        for i, p in enumerate(v or ()):
+            if len(p) > MAX_PROMPT_CHARS:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} characters, more than MAX_PROMPT_CHARS ({MAX_PROMPT_CHARS}); "
+                    "shorten it (it is refused before tokenizing)"
+                )
+        return v
+
+    @field_validator("messages")
+    @classmethod
+    def _chats_bounded(cls, v: list[list[ChatMessage]] | None) -> list[list[ChatMessage]] | None:
+        for i, chat in enumerate(v or ()):
+            if len(chat) > MAX_CHAT_MESSAGES:
+                raise ValueError(
+                    f"conversation {i} has {len(chat)} messages, more than MAX_CHAT_MESSAGES "
+                    f"({MAX_CHAT_MESSAGES}); shorten it"
+                )
+            chars = sum(len(m.content) for m in chat)
+            if chars > MAX_PROMPT_CHARS:
+                raise ValueError(
+                    f"conversation {i} has {chars} characters of content, more than MAX_PROMPT_CHARS "
+                    f"({MAX_PROMPT_CHARS}); shorten it (it is refused before the chat template runs)"
+                )
         return v
 
     @model_validator(mode="after")
@@ -101,6 +281,12 @@ class GenerateRequest(_Model):
             )
         if len(getattr(self, given[0])) == 0:
             raise ValueError(f"{given[0]}: empty batch; pass at least one prompt")
+        sequences = self.batch_size * self.sampling.n
+        if sequences > MAX_SEQUENCES:
+            raise ValueError(
+                f"batch size x n = {self.batch_size} x {self.sampling.n} = {sequences} sequences, more than "
+                f"MAX_SEQUENCES ({MAX_SEQUENCES}) per request; split the batch over several requests"
+            )
         return self
 
     @property

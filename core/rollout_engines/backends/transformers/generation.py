@@ -14,17 +14,67 @@ Stop semantics follow vLLM's defaults, so the backends agree token for token:
 - reaching ``max_tokens`` (or the end of the context window) gives ``finish_reason="length"``.
 
 ``text`` is the decoded output with special tokens skipped.
+
+Stop strings are found incrementally (:class:`StopStrings`): each step decodes only the few
+tokens around the newest one and searches only the text a new match could touch (the new text and
+the last ``len(longest stop) - 1`` characters before it), so the work per step does not grow with
+the output.
+
+A row whose request was cancelled (its ``cancel`` event set) is dropped at the next step with
+``finish_reason="abort"``; a failure that belongs to one row (decoding its text, say) is kept on the
+row (``error``) and ends only that row. The other rows of the batch carry on.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ...types import Completion, FinishReason, SamplingParams
-from .sampling import RowParams, row_generator, sample
+from .sampling import RowParams, RowSampling, row_generator, sample, sampling_state
+
+# Tokens held back while they decode to an incomplete character (UTF-8 needs at most 4 bytes);
+# past this many the text is taken as it decodes, so the window decoded per step stays bounded.
+_MAX_PENDING_TOKENS = 8
+
+
+class StopStrings:
+    """The first stop string in a row's decoded text, found as the text grows.
+
+    Incremental detokenization as vLLM does it: the text of the tokens since the last emitted
+    ones, relative to the text of those last ones, so that a token's leading space or a character
+    split over several byte tokens comes out right. Only ``tail`` (the last ``len(longest) - 1``
+    characters already searched) plus the new text is searched each step."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = list(stops)
+        self.keep = max(len(s) for s in self.stops) - 1
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.seen = 0  # characters of text searched so far
+        self.tail = ""
+
+    def step(self, tokens: list[int], tokenizer: Any) -> int | None:
+        """Take the newest token; return where the first stop string starts, if one now appears."""
+        prefix = tokenizer.decode(tokens[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        text = tokenizer.decode(tokens[self.prefix_offset:], skip_special_tokens=True)
+        pending = len(tokens) - self.read_offset
+        complete = len(text) > len(prefix) and not text.endswith("\ufffd")
+        if not complete and pending < _MAX_PENDING_TOKENS:
+            return None
+        new = text[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(tokens)
+        if not new:
+            return None
+        window = self.tail + new
+        start = self.seen - len(self.tail)
+        self.seen += len(new)
+        self.tail = window[max(0, len(window) - self.keep):] if self.keep else ""
+        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
+        return start + min(hits) if hits else None
 
 
 @dataclass
@@ -38,18 +88,25 @@ class Row:
     params: SamplingParams
     stop_ids: frozenset[int]
     max_tokens: int  # already capped by the context window
+    sampling: RowSampling | None = None  # checked per request; None: built from params in the batch
     generator: torch.Generator | None = None
+    cancel: threading.Event | None = None  # set: the request was cancelled, drop the row
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
     stopped_by_token: bool = False
     cut: int | None = None  # where a stop string starts in the decoded text
+    stop_strings: StopStrings | None = None
+    error: BaseException | None = None  # a failure of this row alone
 
     def completion(self, tokenizer: Any, version: int) -> Completion:
         kept = self.tokens[:-1] if self.stopped_by_token else self.tokens
         text = tokenizer.decode(kept, skip_special_tokens=True)
         if self.cut is not None:
-            text = text[: self.cut]
+            # Once per row: where the whole text has the stop string (the incremental text agrees
+            # but for how an incomplete character was rendered).
+            hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
+            text = text[: min(hits) if hits else self.cut]
         return Completion(
             prompt_index=self.prompt_index,
             sample_index=self.sample_index,
@@ -70,9 +127,16 @@ def make_rows(
     max_len: int,
     device: torch.device,
     first_key: int = 0,
+    vocab: int | None = None,
+    cancel: threading.Event | None = None,
 ) -> list[Row]:
-    """Rows of one request, prompt-major (all samples of prompt 0 first)."""
+    """Rows of one request, prompt-major (all samples of prompt 0 first).
+
+    Everything that depends on the request's values alone is built here, so a request whose values
+    cannot be used fails here rather than in the batch it would have joined. ``vocab``: check and
+    clamp the sampling values for it now (else the batch does, for all its rows)."""
     stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
+    sampling = sampling_state(params, vocab) if vocab is not None else None
     rows = []
     for i, prompt in enumerate(prompts):
         for j in range(params.n):
@@ -80,29 +144,36 @@ def make_rows(
             rows.append(
                 Row(
                     prompt_key=first_key + i, prompt_index=i, sample_index=j, prompt=prompt, params=params,
-                    stop_ids=stop_ids, max_tokens=min(params.max_tokens, max_len - len(prompt)), generator=gen,
+                    stop_ids=stop_ids, max_tokens=min(params.max_tokens, max_len - len(prompt)),
+                    sampling=sampling, generator=gen, cancel=cancel,
+                    stop_strings=StopStrings(params.stop) if params.stop else None,
                 )
             )
     return rows
 
 
 def _row_params(rows: list[Row], vocab: int, device: torch.device) -> RowParams:
-    p = [r.params for r in rows]
-    return RowParams(
-        temperature=torch.tensor([s.temperature for s in p], dtype=torch.float32, device=device),
-        top_p=torch.tensor([s.top_p for s in p], dtype=torch.float32, device=device),
-        top_k=torch.tensor([s.top_k if s.top_k > 0 else vocab for s in p], dtype=torch.long, device=device),
-        min_p=torch.tensor([s.min_p for s in p], dtype=torch.float32, device=device),
-    )
+    return RowParams.of([r.sampling or sampling_state(r.params, vocab) for r in rows], vocab, device)
 
 
-def _check_stop_strings(row: Row, tokenizer: Any) -> bool:
-    text = tokenizer.decode(row.tokens, skip_special_tokens=True)
-    hits = [i for i in (text.find(s) for s in row.params.stop) if i >= 0]
-    if hits:
-        row.cut = min(hits)
+def _step_row(row: Row, token: int, logprob: float, tokenizer: Any) -> bool:
+    """Take one sampled token into the row; True while the row goes on."""
+    row.tokens.append(token)
+    if row.params.logprobs is not None:
+        row.logprobs.append(logprob)
+    if token in row.stop_ids:
+        row.finish, row.stopped_by_token = "stop", True
+    elif row.stop_strings is not None and (cut := row.stop_strings.step(row.tokens, tokenizer)) is not None:
+        row.finish, row.cut = "stop", cut
+    elif len(row.tokens) >= row.max_tokens:
+        row.finish = "length"
+    else:
         return True
     return False
+
+
+def _cancelled(row: Row) -> bool:
+    return row.cancel is not None and row.cancel.is_set()
 
 
 @torch.inference_mode()
@@ -162,17 +233,14 @@ def run_batch(
         keep: list[int] = []
         for pos, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=True)):
             row = rows[active[pos]]
-            row.tokens.append(token)
-            if row.params.logprobs is not None:
-                row.logprobs.append(logprob)
-            if token in row.stop_ids:
-                row.finish, row.stopped_by_token = "stop", True
-            elif row.params.stop and _check_stop_strings(row, tokenizer):
-                row.finish = "stop"
-            elif len(row.tokens) >= row.max_tokens:
-                row.finish = "length"
-            else:
-                keep.append(pos)
+            if _cancelled(row):
+                row.finish = "abort"
+                continue
+            try:
+                if _step_row(row, token, logprob, tokenizer):
+                    keep.append(pos)
+            except Exception as exc:  # this row's own failure: it ends alone
+                row.error, row.finish = exc, "abort"
         if not keep:
             return
         if len(keep) < len(active):

@@ -9,16 +9,56 @@ Semantics follow vLLM's sampler so that the backends agree:
   top-p (always keeping the most likely token), and sample by the exponential-race trick
   (``argmax(p / q)`` with ``q ~ Exp(1)``), which draws exactly ``vocab`` numbers per row and step
   from that row's generator. A seeded row therefore consumes its own random stream only, and its
-  tokens do not depend on which other rows share the batch.
+  tokens do not depend on which other rows share the batch;
+- a ``top_k`` above the vocabulary means the whole vocabulary (clamped, as vLLM does).
+
+Each request's parameters are checked and turned into a :class:`RowSampling` on their own
+(:func:`sampling_state`) before its rows join a batch, so a request whose values cannot be used
+fails alone instead of failing every request merged with it.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ...errors import InvalidRequest
+from ...types import SamplingParams
+
 GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """One request's sampling parameters, checked and clamped for a model of a given vocabulary."""
+
+    temperature: float
+    top_p: float
+    top_k: int  # in [1, vocab]; vocab where top-k is disabled
+    min_p: float
+
+
+def sampling_state(params: SamplingParams, vocab: int) -> RowSampling:
+    """Check one request's sampling values and clamp ``top_k`` to the vocabulary.
+
+    The pydantic model already bounds these; this also holds for a model built without validation
+    (``model_construct``) or changed after it, so that such a request fails here, alone."""
+    temperature, top_p, min_p, top_k = params.temperature, params.top_p, params.min_p, params.top_k
+    if not (isinstance(temperature, int | float) and math.isfinite(temperature) and temperature >= 0):
+        raise InvalidRequest(f"sampling.temperature={temperature!r}: must be a finite number >= 0")
+    if not (isinstance(top_p, int | float) and 0 < top_p <= 1):
+        raise InvalidRequest(f"sampling.top_p={top_p!r}: must be in (0, 1]")
+    if not (isinstance(min_p, int | float) and 0 <= min_p <= 1):
+        raise InvalidRequest(f"sampling.min_p={min_p!r}: must be in [0, 1]")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not (top_k == -1 or top_k >= 1):
+        raise InvalidRequest(f"sampling.top_k={top_k!r}: must be -1 (disabled) or an integer >= 1")
+    return RowSampling(
+        temperature=float(temperature), top_p=float(top_p), top_k=vocab if top_k == -1 else min(top_k, vocab),
+        min_p=float(min_p),
+    )
 
 
 @dataclass
@@ -29,6 +69,16 @@ class RowParams:
     top_p: torch.Tensor
     top_k: torch.Tensor  # vocab size where disabled
     min_p: torch.Tensor
+
+    @staticmethod
+    def of(states: Sequence[RowSampling], vocab: int, device: torch.device) -> RowParams:
+        """Stack checked per-row states (``top_k`` clamped again to this batch's vocabulary)."""
+        return RowParams(
+            temperature=torch.tensor([s.temperature for s in states], dtype=torch.float32, device=device),
+            top_p=torch.tensor([s.top_p for s in states], dtype=torch.float32, device=device),
+            top_k=torch.tensor([min(s.top_k, vocab) for s in states], dtype=torch.long, device=device),
+            min_p=torch.tensor([s.min_p for s in states], dtype=torch.float32, device=device),
+        )
 
     def select(self, index: torch.Tensor) -> RowParams:
         return RowParams(self.temperature[index], self.top_p[index], self.top_k[index], self.min_p[index])
