@@ -18,13 +18,22 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import CapabilityError, EngineAsleep, EngineClosed, WeightsInvalidated
+from .errors import (
+    CapabilityError,
+    EngineAsleep,
+    EngineClosed,
+    StaleVersion,
+    WeightsInvalidated,
+    WeightSyncError,
+)
 from .types import Completion, EngineConfig, EngineInfo, GenerateRequest
 from .weights.manifest import TransportSpec, WeightManifest
 
 logger = logging.getLogger("rollout_engines")
 
 SLEEP_TAGS = ("weights", "kv_cache")
+#: Seconds a weight-sync join may take beyond its spec's timeout before it is given up.
+INIT_GRACE_S = 10.0
 T = TypeVar("T")
 
 
@@ -84,6 +93,8 @@ class Engine(abc.ABC):
         self._resumed.set()
         self._paused = False
         self._weight_update_lock = threading.Lock()
+        #: The update being received: (version, monotonic start, its timeout), else None.
+        self._receiving: tuple[int, float, float] | None = None
 
     # ---- backend hooks -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -127,7 +138,21 @@ class Engine(abc.ABC):
         return self._outstanding
 
     def _is_healthy(self) -> bool:
-        return not self._closed and self._weights_invalid is None
+        return not self._closed and self._weights_invalid is None and not self._receive_stuck()
+
+    def _receive_stuck(self) -> bool:
+        """A receive that outlived its own timeout (every wait in it is bounded by that timeout,
+        so something below the transport hangs)."""
+        r = self._receiving
+        return r is not None and time.monotonic() - r[1] > r[2] + 5.0
+
+    def _receive_info(self) -> dict[str, Any]:
+        r = self._receiving
+        if r is None:
+            return {}
+        seconds = time.monotonic() - r[1]
+        return {"weight_update": {"version": r[0], "seconds": round(seconds, 3), "timeout_s": r[2],
+                                  "stuck": self._receive_stuck()}}
 
     # ---- public API ----------------------------------------------------------------------------
     @property
@@ -237,13 +262,24 @@ class Engine(abc.ABC):
                 f"backend '{self.backend_name}' cannot receive weights over '{spec.transport}'; "
                 f"it supports: {', '.join(self.capabilities.transports) or 'none'}"
             )
-        await self._init_weight_transfer(spec)
+        # Joining waits on the trainer; the transport bounds its own waits by spec.timeout_s, and
+        # this bounds the whole (a peer that accepts a connection and never answers included).
+        try:
+            await asyncio.wait_for(self._init_weight_transfer(spec), spec.timeout_s + INIT_GRACE_S)
+        except asyncio.TimeoutError:
+            raise WeightSyncError(
+                f"engine '{self.backend_name}' could not join the '{spec.transport}' weight sync within "
+                f"{spec.timeout_s + INIT_GRACE_S:.0f} s; check the trainer's address and that it is alive",
+                peer="trainer (rank 0)",
+            ) from None
 
     async def receive_weights(self, manifest: WeightManifest) -> int:
         """Receive one complete update described by ``manifest``; returns the new version.
 
         Validates the whole manifest before anything is applied. On failure the previous weights
         stay in place (or, for in-place backends, generation is refused until the next full push).
+        The version must be above the current one unless ``manifest.allow_rollback``
+        (:class:`StaleVersion` otherwise, before anything is received).
         """
         from .plugins import get_registry
 
@@ -253,15 +289,22 @@ class Engine(abc.ABC):
                 f"engine '{self.backend_name}' has released its weights; call wake_up(tags=['weights']) "
                 "before pushing"
             )
+        if not manifest.allow_rollback and manifest.version <= self.weight_version:
+            raise StaleVersion(
+                f"engine '{self.backend_name}' refuses weight update v{manifest.version}: it serves "
+                f"v{self.weight_version} and versions must increase (allow_rollback=True to go back)"
+            )
         hooks = get_registry().hooks
         hooks.before_weight_update(engine=self, manifest=manifest)
         start, error = time.perf_counter(), None
+        self._receiving = (manifest.version, time.monotonic(), manifest.timeout_s)
         try:
             await self._receive_weights(manifest)
         except BaseException as exc:
             error = exc
             raise
         finally:
+            self._receiving = None
             hooks.after_weight_update(
                 engine=self, manifest=manifest, seconds=time.perf_counter() - start, error=error
             )
@@ -284,11 +327,12 @@ class Engine(abc.ABC):
             outstanding=self._outstanding_count(),
             healthy=self._is_healthy(),
             capabilities=self.capabilities.model_dump(),
-            extra=self._extra_info(),
+            extra={**self._extra_info(), **self._receive_info()},
         )
 
     async def health(self) -> bool:
-        return not self._closed
+        """Alive: not closed, and no weight update stuck past its timeout."""
+        return not self._closed and not self._receive_stuck()
 
     async def close(self) -> None:
         """Free everything. Idempotent."""

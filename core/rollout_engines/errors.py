@@ -101,6 +101,11 @@ class ManifestMismatch(WeightSyncError):
     """The manifest does not fit the model (unknown names, wrong shapes or dtypes). Nothing was applied."""
 
 
+class StaleVersion(ManifestMismatch):
+    """The update's version is not above the engine's current one (pass ``allow_rollback=True``
+    to go back on purpose). Nothing was applied."""
+
+
 class WeightsInvalidated(WeightSyncError):
     """The engine's weights are incomplete (an in-place update failed midway, or weights were
     released by sleep and not restored). It refuses to generate until a complete push arrives."""

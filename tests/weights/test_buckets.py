@@ -80,7 +80,7 @@ def test_tensor_checksum_equals_the_packed_buckets_when_padding_is_zero():
     tensors = dict(items)
     buf = pack_bucket(m, 0, tensors, torch.zeros(m.buckets[0].nbytes, dtype=torch.uint8))
     srcs = [tensors[p.name] for p in m.bucket_tensors(0)]
-    assert checksum_tensors(srcs) == checksum(buf)
+    assert checksum_tensors(srcs, "sum64") == checksum(buf, "sum64")
     changed = [t.clone() for t in srcs]
     changed[1].view(torch.uint8)[3] ^= 4  # a byte in the tail of an odd-sized tensor
     assert checksum_tensors(changed) != checksum_tensors(srcs)
@@ -91,6 +91,25 @@ def test_tensor_checksum_equals_the_packed_buckets_when_padding_is_zero():
         check_bucket_tensors(expected, [srcs[0].double(), *srcs[1:]])
     with pytest.raises(ValueError, match="changed since the manifest"):
         check_bucket_tensors(expected, [*srcs[:-1], srcs[-1].reshape(-1, 1)])
+
+
+def test_default_checksum_sees_reordering_that_sum64_misses():
+    """pos64 (the default) weighs each 256-byte block by its place: swapped tensors of one size and
+    words moved across blocks change it; sum64 cannot see either."""
+    a, b = torch.randn(64), torch.randn(64)  # 256 bytes each: one block
+    pair = torch.cat([a, b]).view(torch.uint8)
+    swapped = torch.cat([b, a]).view(torch.uint8)
+    assert checksum(pair, "sum64") == checksum(swapped, "sum64")
+    assert checksum(pair) != checksum(swapped)
+    assert checksum_tensors([a, b], "sum64") == checksum_tensors([b, a], "sum64")
+    assert checksum_tensors([a, b]) != checksum_tensors([b, a])
+    assert checksum_tensors([a, b]) == checksum_tensors([a.clone(), b.clone()])
+    # Words moved between blocks of one tensor (a rotated buffer).
+    big = torch.randn(1024).view(torch.uint8)
+    assert checksum(big) != checksum(torch.roll(big, 256))
+    assert checksum(big, "sum64") == checksum(torch.roll(big, 256), "sum64")
+    with pytest.raises(ValueError, match="unknown checksum"):
+        checksum(big, "md5")
 
 
 @pytest.mark.parametrize("value", [0, 1, -1, 2**63 - 1, -(2**63), 2**63 + 2**55, 12345678901234])

@@ -47,12 +47,13 @@ async def greedy(engine) -> list[list[int]]:
 async def test_push_changes_greedy_output_and_restore_restores_it(engine, states, transport):
     before = await greedy(engine)
     sync = await connect_weight_sync([engine], transport, bucket_bytes=BUCKET, timeout_s=60)
+    v = engine.weight_version  # versions only go up: the engine is shared by every test here
     try:
-        await sync.push(states["new"], version=11)
+        await sync.push(states["new"], version=v + 1)
         changed = await engine.generate(GREEDY)
         assert [c.token_ids for c in changed] != before
-        assert {c.weight_version for c in changed} == {11}
-        await sync.push(states["orig"], version=12)
+        assert {c.weight_version for c in changed} == {v + 1}
+        await sync.push(states["orig"], version=v + 2)
         assert await greedy(engine) == before
     finally:
         await sync.close()
@@ -61,18 +62,19 @@ async def test_push_changes_greedy_output_and_restore_restores_it(engine, states
 async def test_bad_manifest_keeps_outputs_and_next_push_works(engine, states):
     before = await greedy(engine)
     sync = await connect_weight_sync([engine], "gloo", bucket_bytes=BUCKET, timeout_s=60)
+    v = engine.weight_version
     try:
         bad = dict(states["new"])
         name = next(iter(bad))
         bad[name] = bad[name].to(torch.float16)
         with pytest.raises(WeightSyncError) as info:
-            await sync.push(bad, version=20)
+            await sync.push(bad, version=v + 1)
         assert isinstance(info.value.failures[0][1], ManifestMismatch)
         assert f"'{name}': dtype float16" in str(info.value)
         assert await greedy(engine) == before
-        await sync.push(states["new"], version=21)
+        await sync.push(states["new"], version=v + 1)
         assert await greedy(engine) != before
-        await sync.push(states["orig"], version=22)
+        await sync.push(states["orig"], version=v + 2)
     finally:
         await sync.close()
 
@@ -89,7 +91,7 @@ async def test_trainer_killed_mid_stream_keeps_previous_weights(engine, states, 
         spec_options = await asyncio.to_thread(conn.recv)
         await engine.init_weight_transfer(TransportSpec(
             transport=transport, session_id="killed-tiny-trainer", world_size=2, timeout_s=60, options=spec_options))
-        manifest = plan_manifest(specs_of(list(states["new"].items())), version=30, bucket_bytes=BUCKET,
+        manifest = plan_manifest(specs_of(list(states["new"].items())), version=version + 1, bucket_bytes=BUCKET,
                                  transport=transport, timeout_s=60)
         conn.send(manifest.model_dump())
         receiving = asyncio.ensure_future(engine.receive_weights(manifest))
@@ -104,8 +106,8 @@ async def test_trainer_killed_mid_stream_keeps_previous_weights(engine, states, 
     assert await greedy(engine) == before
     assert (await engine.info()).weight_version == version
     sync = await connect_weight_sync([engine], transport, bucket_bytes=BUCKET, timeout_s=60)
-    await sync.push(states["new"], version=31)
+    await sync.push(states["new"], version=version + 1)
     assert await greedy(engine) != before
-    await sync.push(states["orig"], version=32)
+    await sync.push(states["orig"], version=version + 2)
     assert await greedy(engine) == before
     await sync.close()

@@ -157,7 +157,7 @@ def _build_tokenizer(seed: int, out: Path) -> dict[str, int]:
     if tok.get_vocab_size() != VOCAB_SIZE:  # every id the model can emit must decode
         raise RuntimeError(f"tokenizer training gave {tok.get_vocab_size()} tokens, not {VOCAB_SIZE}")
     tok.save(str(out / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids: dict[str, int] = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}  # type: ignore[misc]  # trained in: never None
     _write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": {

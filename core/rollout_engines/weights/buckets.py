@@ -33,19 +33,54 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def checksum(buf: torch.Tensor, algo: str = "sum64") -> int:
-    """Wrapping sum of the buffer as 64-bit words: catches truncated, stale or mixed buckets.
+#: Words per block of the ``pos64`` checksum (256 bytes: the alignment of tensors in a bucket).
+POS_BLOCK_WORDS = 32
+_MASK = (1 << 64) - 1
+_MIX = 0x9E3779B97F4A7C15  # odd: the block-weighted sum cannot cancel the plain one by accident
 
-    It runs at memory bandwidth on CPU and GPU alike (integer addition is order independent, so
-    both ends agree). It is an integrity check, not a cryptographic hash.
+
+def checksum(buf: torch.Tensor, algo: str = "pos64") -> int:
+    """The integrity checksum of a flat uint8 bucket buffer.
+
+    ``pos64`` (the default): from the 64-bit words' sums per 256-byte block ``b_j``, the wrapping
+    ``sum(b_j) + MIX * sum((j + 1) * b_j)``: one pass over the buffer (memory bandwidth on CPU and
+    GPU, integer addition is order independent so both ends agree), and it sees truncated, stale,
+    mixed and reordered data down to 256 bytes (two swapped tensors of one size, for example).
+    ``sum64``: the plain wrapping sum of the words (blind to reordering). ``none``: 0.
+    Checksums detect corruption; they authenticate nothing (SECURITY.md).
     """
     if algo == "none":
         return 0
     n = buf.numel() // 8 * 8
-    total = int(buf[:n].view(torch.int64).sum().item()) if n else 0
+    words = buf[:n].view(torch.int64) if n else None
+    tail = 0
     for i, b in enumerate(buf[n:].tolist()):
-        total += b << (8 * i)
-    return total
+        tail += b << (8 * i)
+    if algo == "sum64":
+        return (int(words.sum().item()) if words is not None else 0) + tail
+    if algo != "pos64":
+        raise ValueError(f"unknown checksum '{algo}'; use 'pos64', 'sum64' or 'none'")
+    return _pos64(words, tail)
+
+
+def _pos64(words: torch.Tensor | None, tail: int) -> int:
+    blocks = 0
+    plain = weighted = 0
+    if words is not None and words.numel():
+        full = words.numel() // POS_BLOCK_WORDS * POS_BLOCK_WORDS
+        parts = []
+        if full:
+            parts.append(words[:full].view(-1, POS_BLOCK_WORDS).sum(1))
+        if full < words.numel():
+            parts.append(words[full:].sum().reshape(1))
+        sums = torch.cat(parts) if len(parts) > 1 else parts[0]
+        blocks = sums.numel()
+        index = torch.arange(1, blocks + 1, dtype=torch.int64, device=sums.device)
+        both = torch.stack([sums.sum(), (sums * index).sum()]).tolist()
+        plain, weighted = both[0], both[1]
+    plain += tail
+    weighted += tail * (blocks + 1)
+    return (plain + _MIX * weighted) & _MASK
 
 
 def bucket_views(
@@ -102,11 +137,20 @@ def alloc_bucket(nbytes: int, device: torch.device | str = "cpu", pin: bool = Fa
     return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
 
 
-def checksum_tensors(tensors: Sequence[torch.Tensor], algo: str = "sum64") -> int:
-    """The checksum of a bucket sent as separate tensors (zero-copy transports): the wrapping sum
-    of each tensor's bytes as 64-bit words, added up. Computed on the device with one sync."""
+def checksum_tensors(tensors: Sequence[torch.Tensor], algo: str = "pos64") -> int:
+    """The checksum of a bucket sent as separate tensors (zero-copy transports), in manifest order.
+
+    ``pos64``: ``sum((i + 1) * MIX * pos64(t_i))`` over the tensors' own bytes (position inside each
+    tensor and the tensors' order both count). ``sum64``: the wrapping sum of every tensor's words,
+    added up (on a GPU one chunked kernel for the whole bucket)."""
     if algo == "none" or not tensors:
         return 0
+    if algo == "pos64":
+        total = 0
+        for i, t in enumerate(tensors):
+            raw = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else t.contiguous().reshape(-1).view(torch.uint8)
+            total += (i + 1) * _MIX * checksum(raw, "pos64")
+        return total & _MASK
     if tensors[0].is_cuda:
         table = _sum_table(tensors)
         if table is not None:  # one chunked kernel for the whole bucket (rather than a sum per tensor)

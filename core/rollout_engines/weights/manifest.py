@@ -7,17 +7,35 @@ against its model before it touches a parameter.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import ManifestMismatch
 
 #: Tensors start on this boundary inside a bucket, so a view of any dtype is aligned.
 ALIGN = 256
 DEFAULT_BUCKET_BYTES = 256 * 2**20
+#: Integrity checksum of each bucket (see :func:`.buckets.checksum`).
+ChecksumKind = Literal["pos64", "sum64", "none"]
+DEFAULT_TIMEOUT_S = 300.0
+#: The longest any weight-sync wait may be (seconds); ``ROLLOUT_ENGINES_MAX_TIMEOUT_S`` changes it.
+MAX_TIMEOUT_S = float(os.environ.get("ROLLOUT_ENGINES_MAX_TIMEOUT_S", "3600"))
+
+
+def check_timeout(value: float) -> float:
+    """A weight-sync timeout: positive and at most :data:`MAX_TIMEOUT_S`."""
+    if not value > 0:
+        raise ValueError(f"timeout_s must be > 0, got {value}")
+    if value > MAX_TIMEOUT_S:
+        raise ValueError(
+            f"timeout_s={value:g} is above the ceiling of {MAX_TIMEOUT_S:g} s; every wait is bounded. "
+            "Use a smaller timeout or raise ROLLOUT_ENGINES_MAX_TIMEOUT_S in every process"
+        )
+    return value
 
 DTYPE_SIZES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
@@ -49,21 +67,32 @@ class TensorSpec(BaseModel):
         return self
 
 
+class ExpectedSpec(TensorSpec):
+    """What a model expects under one name; ``tied_to``: other names of the same parameter (a push
+    that carries any of them covers this one)."""
+
+    tied_to: tuple[str, ...] = ()
+
+
 class TensorPlacement(TensorSpec):
-    bucket: int
-    offset: int
+    bucket: int = Field(ge=0)
+    offset: int = Field(ge=0)
 
 
 class BucketSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    index: int
-    nbytes: int = Field(description="Bytes of the flat bucket buffer (tensors at aligned offsets).")
+    index: int = Field(ge=0)
+    nbytes: int = Field(ge=0, description="Bytes of the flat bucket buffer (tensors at aligned offsets).")
     tensors: tuple[int, ...] = Field(description="Indices into WeightManifest.tensors.")
 
 
 class WeightManifest(BaseModel):
-    """One versioned update: every tensor's name, dtype, shape and place in a bucket."""
+    """One versioned update: every tensor's name, dtype, shape and place in a bucket.
+
+    ``partial``: the update carries only some of the model's tensors (refused otherwise: a push is
+    complete by default). ``allow_rollback``: the version may be lower than or equal to the engine's.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -73,9 +102,13 @@ class WeightManifest(BaseModel):
     tensors: list[TensorPlacement]
     buckets: list[BucketSpec]
     total_bytes: int
-    checksum: Literal["sum64", "none"] = "sum64"
-    timeout_s: float = Field(default=300.0, gt=0)
+    checksum: ChecksumKind = "pos64"
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    partial: bool = False
+    allow_rollback: bool = False
     options: dict[str, Any] = Field(default_factory=dict)
+
+    _timeout = field_validator("timeout_s")(classmethod(lambda cls, v: check_timeout(v)))
 
     @model_validator(mode="after")
     def _consistent(self) -> WeightManifest:
@@ -85,13 +118,26 @@ class WeightManifest(BaseModel):
             raise ValueError(f"duplicate tensor names in manifest: {dup[:5]}")
         if sum(t.nbytes for t in self.tensors) != self.total_bytes:
             raise ValueError("total_bytes does not equal the sum of the tensors' sizes")
+        placed = [0] * len(self.tensors)
         for i, b in enumerate(self.buckets):
             if b.index != i:
                 raise ValueError("buckets must be numbered 0..n-1 in order")
+            spans = []
             for ti in b.tensors:
+                if not 0 <= ti < len(self.tensors):
+                    raise ValueError(f"bucket {i} names tensor index {ti}; the manifest has {len(self.tensors)}")
+                placed[ti] += 1
                 t = self.tensors[ti]
                 if t.bucket != i or t.offset + t.nbytes > b.nbytes:
                     raise ValueError(f"tensor '{t.name}' does not fit bucket {i} as laid out")
+                spans.append((t.offset, t.offset + t.nbytes, t.name))
+            spans.sort()
+            for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
+                if start < end:
+                    raise ValueError(f"tensors '{first}' and '{second}' overlap in bucket {i}")
+        lost = [self.tensors[k].name for k, count in enumerate(placed) if count != 1]
+        if lost:
+            raise ValueError(f"every tensor must be in exactly one bucket; not so for {lost[:5]}")
         return self
 
     def bucket_tensors(self, index: int) -> list[TensorPlacement]:
@@ -107,8 +153,10 @@ class TransportSpec(BaseModel):
     session_id: str
     rank_offset: int = Field(default=1, ge=0, description="Rank of this engine's first worker.")
     world_size: int = Field(default=2, ge=1)
-    timeout_s: float = Field(default=300.0, gt=0)
-    options: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    options: dict[str, Any] = Field(default_factory=dict, repr=False)  # holds the session's secret
+
+    _timeout = field_validator("timeout_s")(classmethod(lambda cls, v: check_timeout(v)))
 
 
 def _align(n: int) -> int:
@@ -121,12 +169,24 @@ def plan_manifest(
     version: int,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     transport: str = "inproc",
-    timeout_s: float = 300.0,
-    checksum: Literal["sum64", "none"] = "sum64",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    checksum: ChecksumKind = "pos64",
+    partial: bool = False,
+    allow_rollback: bool = False,
 ) -> WeightManifest:
-    """Lay tensors out into buckets of at most ``bucket_bytes`` (a larger tensor gets its own)."""
+    """Lay tensors out into buckets of at most ``bucket_bytes`` (a larger tensor gets its own).
+    Raises :class:`ManifestMismatch` for duplicate names."""
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes must be at least {ALIGN}")
+    specs = list(specs)
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        dup = sorted({n for n in names if n in seen or seen.add(n)})  # type: ignore[func-returns-value]
+        raise ManifestMismatch(
+            f"weight update v{version} names {len(dup)} tensor(s) more than once, e.g. {dup[:3]}; "
+            "send each tensor once"
+        )
     placed: list[TensorPlacement] = []
     buckets: list[BucketSpec] = []
     current: list[int] = []
@@ -154,15 +214,22 @@ def plan_manifest(
         total_bytes=sum(t.nbytes for t in placed),
         timeout_s=timeout_s,
         checksum=checksum,
+        partial=partial,
+        allow_rollback=allow_rollback,
     )
 
 
-def validate_manifest(manifest: WeightManifest, expected: Mapping[str, TensorSpec], *, partial_ok: bool = True) -> None:
+def validate_manifest(
+    manifest: WeightManifest, expected: Mapping[str, TensorSpec], *, partial_ok: bool | None = None
+) -> None:
     """Check the whole update against the model before anything is applied.
 
     Raises :class:`ManifestMismatch` listing every problem (unknown names, wrong shapes, wrong
-    dtypes, missing names when ``partial_ok`` is False).
+    dtypes, and, unless the update is partial (``partial_ok``, by default ``manifest.partial``),
+    tensors of the model it does not carry; a tied parameter is covered by any of its names).
     """
+    if partial_ok is None:
+        partial_ok = manifest.partial
     problems: list[str] = []
     for t in manifest.tensors:
         want = expected.get(t.name)
@@ -173,15 +240,28 @@ def validate_manifest(manifest: WeightManifest, expected: Mapping[str, TensorSpe
         elif want.dtype != t.dtype:
             problems.append(f"'{t.name}': dtype {t.dtype} != model's {want.dtype}")
     if not partial_ok:
-        missing = sorted(set(expected) - {t.name for t in manifest.tensors})
+        missing = missing_names(manifest, expected)
         if missing:
-            problems.append(f"missing {len(missing)} tensors, e.g. {missing[:3]}")
+            problems.append(
+                f"missing {len(missing)} of the model's tensors, e.g. {missing[:3]} (a push must be complete; "
+                "pass partial=True to send only some tensors)"
+            )
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise ManifestMismatch(
             f"weight update v{manifest.version} rejected before applying anything: {shown}. "
             "Send tensors named, shaped and typed as the engine's model (HF checkpoint names)"
         )
+
+
+def missing_names(manifest: WeightManifest, expected: Mapping[str, TensorSpec]) -> list[str]:
+    """Names the model expects that ``manifest`` does not cover (tied names count as covered)."""
+    carried = {t.name for t in manifest.tensors}
+    return sorted(
+        n for n, spec in expected.items()
+        if n not in carried
+        and not (isinstance(spec, ExpectedSpec) and any(alias in carried for alias in spec.tied_to))
+    )
 
 
 def specs_of(named: Sequence[tuple[str, Any]]) -> list[TensorSpec]:
@@ -195,7 +275,7 @@ def specs_of(named: Sequence[tuple[str, Any]]) -> list[TensorSpec]:
 # collective_rpc) send the layout as one JSON string, and the far side parses and validates a
 # layout only when it differs from the last one it saw (a string comparison), so a steady push
 # costs neither side the hundreds of pydantic objects of a 300-tensor manifest.
-_LAYOUT_FIELDS = {"version", "session_id"}
+_LAYOUT_FIELDS = {"version", "session_id", "partial", "allow_rollback"}
 _sent: tuple[list[TensorPlacement], str] | None = None
 _received: tuple[str, WeightManifest] | None = None
 
@@ -209,7 +289,8 @@ def manifest_to_wire(manifest: WeightManifest) -> dict[str, Any]:
     else:
         layout = manifest.model_dump_json(exclude=_LAYOUT_FIELDS)
         _sent = (manifest.tensors, layout)
-    return {"version": manifest.version, "session_id": manifest.session_id, "layout": layout}
+    return {"version": manifest.version, "session_id": manifest.session_id, "partial": manifest.partial,
+            "allow_rollback": manifest.allow_rollback, "layout": layout}
 
 
 def manifest_from_wire(wire: Mapping[str, Any]) -> WeightManifest:
@@ -217,7 +298,8 @@ def manifest_from_wire(wire: Mapping[str, Any]) -> WeightManifest:
     copy shares its tensor and bucket lists, so receivers can cache their checks by identity)."""
     global _received
     received = _received
-    update = {"version": int(wire["version"]), "session_id": str(wire["session_id"])}
+    update = {"version": int(wire["version"]), "session_id": str(wire["session_id"]),
+              "partial": bool(wire.get("partial", False)), "allow_rollback": bool(wire.get("allow_rollback", False))}
     if received is not None and received[0] == wire["layout"]:
         return received[1].model_copy(update=update)
     import json

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ManifestMismatch, WeightsInvalidated, WeightSyncError
 from .buckets import BucketHeader, bucket_views, checksum, checksum_tensors
-from .manifest import TensorSpec, TransportSpec, WeightManifest, validate_manifest
+from .manifest import ExpectedSpec, TensorSpec, TransportSpec, WeightManifest, validate_manifest
 from .transport import TransportReceiver
 
 logger = logging.getLogger("rollout_engines.weights")
@@ -76,11 +76,19 @@ class WeightReceiver:
         self.close()
         self.transport = open_receiver(spec, rank=spec.rank_offset + local_rank, device=self.device)
 
+    def cancel(self, reason: str) -> None:
+        """Make a receive in progress (on another thread) raise :class:`WeightSyncError` within a
+        check interval; nothing more of that update is applied (thread-safe)."""
+        transport = self.transport
+        if transport is not None:
+            transport.cancel(reason)
+
     def receive(self, manifest: WeightManifest) -> int:
         """Receive one update. Raises WeightSyncError (ManifestMismatch, WeightsInvalidated, ...)."""
         if self.transport is None:
             raise WeightSyncError(f"{self.label}: no weight transfer initialised; call connect() first")
         transport = self.transport
+        transport.raise_if_cancelled()
         rejection: ManifestMismatch | None = None
         clock = time.perf_counter
         start = clock()
@@ -198,10 +206,19 @@ class StateDictTarget:
         self._specs: dict[str, TensorSpec] | None = None
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
+        """Every name of the state dict; tied parameters (one tensor under several names, e.g. an
+        embedding shared with the LM head) name each other in ``tied_to``."""
         if self._specs is None:
+            state = self.module.state_dict(keep_vars=True)
+            names_of: dict[int, list[str]] = {}
+            for name, t in state.items():
+                names_of.setdefault(id(t), []).append(name)
             self._specs = {
-                name: TensorSpec(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
-                for name, t in self.module.state_dict(keep_vars=True).items()
+                name: ExpectedSpec(
+                    name=name, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape),
+                    tied_to=tuple(n for n in names_of[id(t)] if n != name),
+                )
+                for name, t in state.items()
             }
         return self._specs
 

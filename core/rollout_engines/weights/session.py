@@ -15,11 +15,18 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import WeightSyncError
+from ..errors import (
+    CapabilityError,
+    EngineAsleep,
+    EngineClosed,
+    ManifestMismatch,
+    StaleVersion,
+    WeightSyncError,
+)
 from .buckets import (
     BucketHeader,
     alloc_bucket,
@@ -29,7 +36,16 @@ from .buckets import (
     expected_tensors,
     pack_bucket,
 )
-from .manifest import DEFAULT_BUCKET_BYTES, TensorSpec, TransportSpec, WeightManifest, plan_manifest, specs_of
+from .manifest import (
+    DEFAULT_BUCKET_BYTES,
+    ChecksumKind,
+    TensorSpec,
+    TransportSpec,
+    WeightManifest,
+    check_timeout,
+    plan_manifest,
+    specs_of,
+)
 from .transport import TransportSender
 
 if TYPE_CHECKING:
@@ -46,19 +62,27 @@ async def connect_weight_sync(
     *,
     bucket_bytes: int | None = None,
     timeout_s: float = 300.0,
-    checksum: Literal["sum64", "none"] = "sum64",
+    checksum: ChecksumKind = "pos64",
     options: dict[str, Any] | None = None,
     progress: bool | None = None,
 ) -> WeightSync:
     """Open a weight-sync session from this (trainer) process to every engine.
 
     Each engine's workers get their rank in the session (the trainer is rank 0); engines that
-    cannot receive over ``transport`` fail here with a :class:`CapabilityError`, before any data.
+    cannot receive over ``transport`` fail here with a :class:`CapabilityError`, at once, before
+    anything waits. ``timeout_s`` bounds every wait of the session (at most ``MAX_TIMEOUT_S``).
     """
     from ..plugins import get_registry
 
     if not engines:
         raise ValueError("connect_weight_sync needs at least one engine")
+    check_timeout(timeout_s)
+    for engine in engines:
+        if transport not in engine.capabilities.transports:
+            raise CapabilityError(
+                f"backend '{engine.backend_name}' cannot receive weights over '{transport}'; "
+                f"it supports: {', '.join(engine.capabilities.transports) or 'none'}"
+            )
     sender_cls = get_registry().transport(transport).load_sender()
     if bucket_bytes is None:  # the transport's own best size, else the core's
         bucket_bytes = sender_cls.default_bucket_bytes or DEFAULT_BUCKET_BYTES
@@ -77,8 +101,7 @@ async def connect_weight_sync(
     ]
     connect = asyncio.ensure_future(asyncio.to_thread(sender.connect))
     joins = [asyncio.ensure_future(e.init_weight_transfer(s)) for e, s in zip(engines, specs, strict=True)]
-    results = await asyncio.gather(connect, *joins, return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
+    errors = await _gather_cancelling(sender, connect, joins)
     if errors:
         await asyncio.to_thread(sender.close)
         first = errors[0]
@@ -102,7 +125,7 @@ class WeightSync:
         transport: str,
         bucket_bytes: int,
         timeout_s: float,
-        checksum: Literal["sum64", "none"],
+        checksum: ChecksumKind,
         progress: bool | None,
     ) -> None:
         self.engines, self.sender, self.transport = engines, sender, transport
@@ -116,7 +139,13 @@ class WeightSync:
         self._expected: dict[int, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
 
     async def push(
-        self, tensors: NamedTensors, *, version: int, specs: Sequence[TensorSpec] | None = None
+        self,
+        tensors: NamedTensors,
+        *,
+        version: int,
+        specs: Sequence[TensorSpec] | None = None,
+        partial: bool = False,
+        allow_rollback: bool = False,
     ) -> int:
         """Send one complete update to every engine; returns ``version`` once all applied it.
 
@@ -124,44 +153,70 @@ class WeightSync:
         shape of every tensor, in order) the iterable is consumed lazily, one bucket at a time, so a
         generator that gathers FSDP shards never holds more than a bucket. Without ``specs`` the
         iterable is listed first (references only).
+
+        Strict by default: every tensor the engines expect must be there (``partial=True`` to send
+        some), and ``version`` must be above every engine's (``allow_rollback=True`` to go back).
+        Raises :class:`ManifestMismatch` (names, shapes, dtypes, completeness; :class:`StaleVersion`)
+        with nothing applied, or :class:`WeightSyncError` (and subclasses) for what failed in flight.
         """
         if self._closed:
             raise WeightSyncError("this weight sync session is closed; connect a new one")
+        if not allow_rollback:
+            behind = [(e.backend_name, e.weight_version) for e in self.engines if e.weight_version >= version]
+            if behind:
+                raise StaleVersion(
+                    f"weight update v{version} is not newer than the engines' weights "
+                    f"({', '.join(f'{n}: v{v}' for n, v in behind[:4])}); push a higher version, "
+                    "or pass allow_rollback=True to go back on purpose"
+                )
         items: Iterable[tuple[str, torch.Tensor]] = tensors.items() if isinstance(tensors, Mapping) else tensors
         if specs is None:
             items = list(items)
             key: tuple[Any, ...] = tuple((n, t.dtype, t.shape) for n, t in items)
         else:
             key = tuple((s.name, s.dtype, s.shape) for s in specs)
+        flags = {"partial": partial, "allow_rollback": allow_rollback}
         if self._layout is not None and self._layout[0] == key:
             # The same tensors as last time: the same layout, a new version (planning and
             # validating a 300-tensor manifest costs milliseconds; this costs microseconds).
-            manifest = self._layout[1].model_copy(update={"version": version, "session_id": uuid.uuid4().hex})
+            manifest = self._layout[1].model_copy(update={"version": version, "session_id": uuid.uuid4().hex, **flags})
         else:
             if specs is None:
                 specs = specs_of(items)  # type: ignore[arg-type]  # listed above
             manifest = plan_manifest(
                 specs, version=version, bucket_bytes=self.bucket_bytes, transport=self.transport,
-                timeout_s=self.timeout_s, checksum=self.checksum,
+                timeout_s=self.timeout_s, checksum=self.checksum, **flags,
             )
             self._layout = (key, manifest)
             self._expected = {}
         start = time.perf_counter()
         # The sender first: it describes or packs the first buckets while the manifest travels to
         # the engines (a process hop or a request), so receivers find them waiting.
+        self.sender.cancelled.clear()
         sending = asyncio.ensure_future(asyncio.to_thread(self._stream, manifest, iter(items)))
         receivers = [asyncio.ensure_future(e.receive_weights(manifest)) for e in self.engines]
-        results = await asyncio.gather(sending, *receivers, return_exceptions=True)
+        await _gather_cancelling(self.sender, sending, receivers)
         self.last_push_seconds = time.perf_counter() - start
-        send_error, recv_results = results[0], results[1:]
-        failures = [(i, r) for i, r in enumerate(recv_results) if isinstance(r, BaseException)]
-        if failures or isinstance(send_error, BaseException):
+        send_error = sending.exception()
+        recv_results = [r.exception() for r in receivers]
+        failures = [(i, r) for i, r in enumerate(recv_results) if r is not None]
+        if failures or send_error is not None:
             parts = []
-            if isinstance(send_error, BaseException):
+            if send_error is not None and not (failures and self.sender.cancelled.is_set()):
                 parts.append(f"sender: {send_error}")
             parts += [f"engine {i} ({self.engines[i].backend_name}): {r}" for i, r in failures]
-            first = send_error if isinstance(send_error, BaseException) else failures[0][1]
-            err = WeightSyncError(f"weight update v{version} failed: " + " | ".join(parts))
+            causes: list[BaseException] = [r for _, r in failures] or [send_error]  # type: ignore[list-item]
+            first = causes[0]
+            # The most specific type every cause shares: a refused manifest stays a ManifestMismatch.
+            kind: type[WeightSyncError] = WeightSyncError
+            for candidate in (StaleVersion, ManifestMismatch):
+                if all(isinstance(c, candidate) for c in causes):
+                    kind = candidate
+                    break
+            else:
+                if isinstance(first, WeightSyncError) and all(type(c) is type(first) for c in causes):
+                    kind = type(first)
+            err = kind(f"weight update v{version} failed: " + " | ".join(parts))
             err.failures = failures  # type: ignore[attr-defined]
             raise err from first
         self.version = version
@@ -252,6 +307,27 @@ class WeightSync:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+#: Errors an engine raises before it reads any of an update (nothing will drain the stream).
+_REFUSALS = (StaleVersion, CapabilityError, EngineAsleep, EngineClosed)
+
+
+async def _gather_cancelling(
+    sender: TransportSender, sending: asyncio.Future[Any], receivers: Sequence[asyncio.Future[Any]]
+) -> list[BaseException]:
+    """Wait for the sender's thread and every engine; an engine that refuses before it reads
+    anything (a stale version, an undeclared capability, asleep or closed) cancels the sender's
+    waits at once instead of leaving it to wait for acknowledgements until its timeout (an engine
+    that fails mid-stream is named by the sender's own liveness checks). Returns the errors."""
+    pending = {sending, *receivers}
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        refused = [f.exception() for f in done if f is not sending and isinstance(f.exception(), _REFUSALS)]
+        if refused and not sending.done():
+            sender.cancel(f"an engine refused: {refused[0]}")
+    errors = [f.exception() for f in (sending, *receivers)]
+    return [e for e in errors if e is not None]
 
 
 class _progress:

@@ -9,22 +9,40 @@ Rules every transport keeps:
   naming the peer and the bucket, never hangs;
 - ``send_bucket`` may return before receivers are done (pipelining) but must not let the caller
   overwrite a buffer a receiver still reads;
-- ``abort`` tells every receiver that the update is off, so they raise instead of waiting.
+- ``abort`` tells every receiver that the update is off, so they raise instead of waiting;
+- ``cancel`` (from another thread) makes the half's current and next waits raise
+  :class:`WeightSyncError` within a check interval (a closed session, an engine that refused).
 """
 
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
+from ..errors import WeightSyncError
 from .buckets import BucketHeader
 from .manifest import TransportSpec, WeightManifest
 
 
-class TransportSender(abc.ABC):
+class _Cancellable:
+    cancelled: threading.Event
+    cancel_reason: str = ""
+
+    def cancel(self, reason: str) -> None:
+        """Make this half's waits raise (thread-safe); ``cancelled.clear()`` re-arms it."""
+        self.cancel_reason = reason
+        self.cancelled.set()
+
+    def raise_if_cancelled(self, bucket: int | None = None) -> None:
+        if self.cancelled.is_set():
+            raise WeightSyncError(f"weight transfer cancelled: {self.cancel_reason}", bucket=bucket)
+
+
+class TransportSender(_Cancellable, abc.ABC):
     """Trainer-side half. One instance per weight-sync session."""
 
     name: ClassVar[str]
@@ -37,6 +55,7 @@ class TransportSender(abc.ABC):
     def __init__(self, *, session_id: str, world_size: int, timeout_s: float, options: dict[str, Any]):
         self.session_id, self.world_size, self.timeout_s = session_id, world_size, timeout_s
         self.options = dict(options)
+        self.cancelled = threading.Event()
 
     def spec_options(self) -> dict[str, Any]:
         """Options receivers need to connect (addresses, names, paths). JSON-serialisable."""
@@ -81,7 +100,7 @@ class TransportSender(abc.ABC):
         return None
 
 
-class TransportReceiver(abc.ABC):
+class TransportReceiver(_Cancellable, abc.ABC):
     """Engine-worker-side half. One instance per worker and session."""
 
     name: ClassVar[str]
@@ -89,6 +108,7 @@ class TransportReceiver(abc.ABC):
     def __init__(self, spec: TransportSpec, *, rank: int, device: torch.device | str = "cpu"):
         self.spec, self.rank, self.device = spec, rank, torch.device(device)
         self.timeout_s = spec.timeout_s
+        self.cancelled = threading.Event()
 
     def connect(self) -> None:
         return None

@@ -16,6 +16,12 @@ It runs on the CPU or one GPU, in the caller's process:
   discards them, and the engine refuses to generate until a complete push arrives.
 - **Weights** arrive through the core's :class:`WeightReceiver` over any registered transport the
   device can take (on a GPU, CPU transports land on the host and are copied up).
+- **Requests fail and end alone.** Text prompts are tokenized and every prompt is checked before
+  the job is queued (large ones in a thread of their own, so the worker keeps stepping the other
+  requests); each job's rows and sampling state are built on their own before the batch runs, so
+  a request that cannot run fails alone; a row's own failure during the batch ends only its
+  request. Cancelling the task that awaits ``generate`` removes a queued request, or drops a
+  running request's rows at the next step; the rest of the batch carries on.
 
 Options (``EngineConfig.options``): ``attn_implementation`` (default ``"sdpa"``),
 ``max_batch_rows`` (default 256), ``num_threads`` (CPU intra-op threads of the engine's worker;
@@ -33,7 +39,7 @@ import gc
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
@@ -47,6 +53,7 @@ from ...errors import (
     WeightsInvalidated,
     WeightSyncError,
 )
+from ...threads import run_in_thread
 from ...tokenization import chat_token_ids
 from ...types import Completion, EngineConfig, GenerateRequest
 from ...weights.manifest import TensorSpec, TransportSpec, WeightManifest
@@ -59,19 +66,50 @@ T = TypeVar("T")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _CPU_TRANSPORTS = ("inproc", "gloo", "shm", "disk")
 _CUDA_TRANSPORTS = ("nccl", "cuda_ipc")
+# Text prompts up to this many characters in all are tokenized on the event loop (well under a
+# millisecond); larger ones in a thread, so that neither the loop nor the worker waits for them.
+_INLINE_TOKENIZE_CHARS = 16_384
+# Token prompts up to this many ids in all are checked on the event loop; larger ones in a thread.
+_INLINE_CHECK_TOKENS = 65_536
 
 
-@dataclass
+@dataclass(eq=False)
 class _GenerateJob:
     request: GenerateRequest
     future: concurrent.futures.Future[list[Completion]]
+    prompts: list[list[int]] | None = None  # tokenized and checked before the job is queued
     rows: list[Row] | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
 class _CallJob:
     fn: Callable[[], Any]
     future: concurrent.futures.Future[Any]
+
+
+class _ApplyOnWorker:
+    """The target of a staged update: the receiving thread hands the complete, verified update to
+    the model's worker, which applies it and takes the new version in one step (no completion is
+    ever tagged with a version its weights do not have)."""
+
+    def __init__(self, engine: TransformersEngine, version: int) -> None:
+        self.engine, self.version = engine, version
+
+    def expected_specs(self) -> Mapping[str, TensorSpec]:
+        return self.engine._target.expected_specs()
+
+    def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
+        engine = self.engine
+
+        def swap() -> None:
+            engine._target.apply(named, owned=owned)
+            engine._model_version = self.version
+            engine._invalid_reason = None
+
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        engine._submit(_CallJob(swap, future))
+        future.result()
 
 
 class _RejectAllTarget:
@@ -160,6 +198,7 @@ class TransformersEngine(Engine):
         self._shared_generator = torch.Generator(device=self.device)
         self._shared_generator.manual_seed(config.seed)
         self._target = StateDictTarget(self.hf_model)
+        self._receive_lock = threading.Lock()  # one receive at a time; close waits for it
         self._receiver: WeightReceiver | None = None
         # Unique parameters (tied weights appear once), by their first name.
         self._params: dict[str, torch.nn.Parameter] = dict(self.hf_model.named_parameters())
@@ -172,6 +211,8 @@ class TransformersEngine(Engine):
         self._model_version = 0
         self.batches_run = 0  # batches and requests generated so far (requests / batches: merging)
         self.requests_run = 0
+        self.requests_cancelled = 0  # requests cancelled while queued or running
+        self._running: list[_GenerateJob] = []  # the generate jobs of the batch now running
 
         self._jobs: collections.deque[_GenerateJob | _CallJob | None] = collections.deque()
         self._cv = threading.Condition()
@@ -246,35 +287,106 @@ class TransformersEngine(Engine):
                     except BaseException as exc:
                         job.future.set_exception(exc)
             else:
-                self._run_generate([j for j in batch if j.future.set_running_or_notify_cancel()])
+                live = [j for j in batch if j.future.set_running_or_notify_cancel()]
+                if len(live) < len(batch):  # cancelled while queued, just before _cancel could remove them
+                    with self._cv:
+                        self.requests_cancelled += len(batch) - len(live)
+                self._run_generate(live)
 
     def _run_generate(self, jobs: list[_GenerateJob]) -> None:
         ready: list[_GenerateJob] = []
+        first_key = 0
         for job in jobs:
-            try:
+            try:  # each job's rows and sampling state on their own: a job that cannot run fails alone
                 self._check_worker_state()
-                job.rows = self._rows(job.request, first_key=sum(j.request.batch_size for j in ready))
+                job.rows = self._rows(job, first_key=first_key)
+                first_key += job.request.batch_size
                 ready.append(job)
             except BaseException as exc:
                 job.future.set_exception(exc)
         if not ready:
             return
-        rows = [r for job in ready for r in job.rows or ()]
+        self._running = ready
         try:
-            # A request larger than max_batch_rows runs in slices, which bounds activation and KV memory.
-            for start in range(0, len(rows), self.max_batch_rows):
-                run_batch(self.hf_model, self.tokenizer, rows[start:start + self.max_batch_rows], device=self.device,
-                          pad_id=self.pad_id, shared=self._shared_generator)
-            results = [[r.completion(self.tokenizer, self._model_version) for r in job.rows or ()] for job in ready]
-            self.batches_run += 1
-            self.requests_run += len(ready)
+            self._run_jobs(ready)
+        finally:
+            self._running = []
+
+    def _run_jobs(self, ready: list[_GenerateJob]) -> None:
+        try:
+            self._run_rows([r for job in ready for r in job.rows or ()])
+        except Exception as exc:
+            if len(ready) == 1:
+                logger.exception("generation failed")
+                self._resolve(ready[0], error=exc)
+                return
+            # Not attributable to one request: run each alone, so that only the one that fails fails.
+            logger.warning("a merged batch of %d requests failed (%r); running them one by one", len(ready), exc)
+            for job in ready:
+                self._run_jobs_alone(job)
+            return
         except BaseException as exc:
             logger.exception("generation failed")
             for job in ready:
-                job.future.set_exception(exc)
+                self._resolve(job, error=exc)
             return
-        for job, completions in zip(ready, results, strict=True):
-            job.future.set_result(completions)
+        self.batches_run += 1
+        for job in ready:
+            self._finish(job)
+
+    def _run_jobs_alone(self, job: _GenerateJob) -> None:
+        try:
+            job.rows = self._rows(job, first_key=0)  # fresh rows (and seeded generators)
+            self._run_rows(job.rows)
+        except Exception as exc:
+            logger.exception("generation failed")
+            self._resolve(job, error=exc)
+            return
+        self.batches_run += 1
+        self._finish(job)
+
+    def _run_rows(self, rows: list[Row]) -> None:
+        # A request larger than max_batch_rows runs in slices, which bounds activation and KV memory.
+        for start in range(0, len(rows), self.max_batch_rows):
+            part = rows[start:start + self.max_batch_rows]
+            for row in part:
+                if row.cancel is not None and row.cancel.is_set():
+                    row.finish = "abort"
+            part = [r for r in part if r.finish is None]
+            if part:
+                run_batch(self.hf_model, self.tokenizer, part, device=self.device, pad_id=self.pad_id,
+                          shared=self._shared_generator)
+
+    def _finish(self, job: _GenerateJob) -> None:
+        """Resolve one job's future from its rows: its result, its own error, or cancelled."""
+        rows = job.rows or []
+        if job.cancel.is_set():
+            with self._cv:
+                self.requests_cancelled += 1
+            self._resolve(job, error=concurrent.futures.CancelledError())
+            return
+        error = next((r.error for r in rows if r.error is not None), None)
+        if error is not None:
+            self._resolve(job, error=error)
+            return
+        try:
+            completions = [r.completion(self.tokenizer, self._model_version) for r in rows]
+        except Exception as exc:
+            self._resolve(job, error=exc)
+            return
+        self.requests_run += 1
+        self._resolve(job, completions)
+
+    def _resolve(self, job: _GenerateJob, result: list[Completion] | None = None,
+                 error: BaseException | None = None) -> None:
+        """Answer one job; it leaves the running batch first, so a caller who sees the answer
+        never sees the job as running."""
+        with self._cv:
+            self._running = [j for j in self._running if j is not job]
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result or [])
 
     def _check_worker_state(self) -> None:
         if self._weights_state != "live":
@@ -286,23 +398,24 @@ class TransformersEngine(Engine):
             )
 
     # ---- requests --------------------------------------------------------------------------------
-    def _prompt_ids(self, request: GenerateRequest) -> list[list[int]]:
+    def _tokenize(self, request: GenerateRequest) -> list[list[int]]:
         if request.prompt_token_ids is not None:
-            prompts = [list(p) for p in request.prompt_token_ids]
-        elif request.prompts is not None:
-            prompts = [list(self.tokenizer(p, add_special_tokens=True)["input_ids"]) for p in request.prompts]
-        else:
-            assert request.messages is not None
-            prompts = []
-            for chat in request.messages:
-                prompts.append(chat_token_ids(self.tokenizer, chat))
+            return [list(p) for p in request.prompt_token_ids]
+        if request.prompts is not None:
+            return [list(self.tokenizer(p, add_special_tokens=True)["input_ids"]) for p in request.prompts]
+        assert request.messages is not None
+        return [chat_token_ids(self.tokenizer, chat) for chat in request.messages]
+
+    def _prompt_ids(self, request: GenerateRequest) -> list[list[int]]:
+        """Every prompt's token ids, checked against the vocabulary and the context window."""
+        prompts = self._tokenize(request)
         for i, p in enumerate(prompts):
             if not p:
                 raise InvalidRequest(f"prompt {i} is empty after tokenization; give at least one token of text")
-            bad = [t for t in p if t >= self.vocab_size]
-            if bad:
+            bad = next((t for t in p if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
                 raise InvalidRequest(
-                    f"prompt {i} has token id {bad[0]} outside the model's vocabulary (size {self.vocab_size})"
+                    f"prompt {i} has token id {bad} outside the model's vocabulary (size {self.vocab_size})"
                 )
             if len(p) >= self.max_model_len:
                 raise InvalidRequest(
@@ -311,16 +424,43 @@ class TransformersEngine(Engine):
                 )
         return prompts
 
-    def _rows(self, request: GenerateRequest, first_key: int) -> list[Row]:
+    def _rows(self, job: _GenerateJob, first_key: int) -> list[Row]:
+        request = job.request
+        prompts = job.prompts if job.prompts is not None else self._prompt_ids(request)
         return make_rows(
-            self._prompt_ids(request), request.sampling, eos_ids=self.eos_ids, max_len=self.max_model_len,
-            device=self.device, first_key=first_key,
+            prompts, request.sampling, eos_ids=self.eos_ids, max_len=self.max_model_len, device=self.device,
+            first_key=first_key, vocab=self.vocab_size, cancel=job.cancel,
         )
 
     async def _generate(self, request: GenerateRequest) -> list[Completion]:
+        # Tokenize and check here, not on the worker: a large prompt must not hold up other requests.
+        if request.prompt_token_ids is not None:
+            inline = sum(len(p) for p in request.prompt_token_ids) <= _INLINE_CHECK_TOKENS
+        elif request.prompts is not None:
+            inline = sum(len(p) for p in request.prompts) <= _INLINE_TOKENIZE_CHARS
+        else:
+            assert request.messages is not None
+            inline = sum(len(m.content) for chat in request.messages for m in chat) <= _INLINE_TOKENIZE_CHARS
+        prompts = self._prompt_ids(request) if inline else await asyncio.to_thread(self._prompt_ids, request)
         future: concurrent.futures.Future[list[Completion]] = concurrent.futures.Future()
-        self._submit(_GenerateJob(request, future))
-        return await asyncio.wrap_future(future)
+        job = _GenerateJob(request, future, prompts=prompts)
+        self._submit(job)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._cancel(job)
+            raise
+
+    def _cancel(self, job: _GenerateJob) -> None:
+        """Stop a job whose caller went away: out of the queue, or its rows dropped at the next step."""
+        job.cancel.set()
+        with self._cv:
+            try:
+                self._jobs.remove(job)
+            except ValueError:
+                return  # running (its rows end at the next step) or finished already
+            self.requests_cancelled += 1
+        job.future.cancel()
 
     # ---- sleep -----------------------------------------------------------------------------------
     async def _sleep(self, level: int, tags: Sequence[str]) -> None:
@@ -374,11 +514,15 @@ class TransformersEngine(Engine):
         # CPU transports land on the host; the target then copies into GPU parameters.
         device = self.device if self.device.type in devices else torch.device("cpu")
         receiver = WeightReceiver(self._target, device=device, mode=self._apply_mode, label="transformers")
-        # Connecting may wait for the trainer's rendezvous; keep the model's worker free meanwhile.
-        await asyncio.to_thread(receiver.connect, spec)
+        # A new session replaces the old one: a receive still waiting on the old one gives up now.
+        if self._receiver is not None:
+            self._receiver.cancel("a new weight-sync session was opened")
+        # Connecting may wait for the trainer's rendezvous (bounded by the spec's timeout): on a
+        # thread of its own, so neither the model's worker nor the shared executor waits with it.
+        await run_in_thread(receiver.connect, spec, name="roe-weights-connect")
         old, self._receiver = self._receiver, receiver
         if old is not None:
-            await asyncio.to_thread(old.close)
+            await run_in_thread(self._close_receiver, old, name="roe-weights-close")
 
     async def _receive_weights(self, manifest: WeightManifest) -> None:
         receiver = self._receiver
@@ -387,35 +531,61 @@ class TransformersEngine(Engine):
                 "engine 'transformers' has no weight transfer open; connect one with connect_weight_sync()"
             )
         try:
-            await self._call(lambda: self._receive_sync(receiver, manifest))
+            if self._apply_mode == "staged":
+                # Buckets arrive on a thread of their own while generation goes on; only the final
+                # apply runs on the model's worker, between two generation steps.
+                await run_in_thread(self._receive_sync, receiver, manifest, name="roe-weights-receive")
+            else:  # in place: nothing generates while parameters change bucket by bucket
+                await self._call(lambda: self._receive_sync(receiver, manifest))
         except WeightsInvalidated as exc:
             self._weights_invalid = str(exc)
             raise
 
     def _receive_sync(self, receiver: WeightReceiver, manifest: WeightManifest) -> None:
-        if self._invalid_reason is not None:
-            # The current weights are not a valid model: only a complete update can fix that.
-            covered = {t.name for t in manifest.tensors}
-            missing = sorted(n for n in self._params if n not in covered and not self._tied_name_covered(n, covered))
-            if missing:
-                receiver.target = _RejectAllTarget()
+        with self._receive_lock:
+            if self._invalid_reason is not None:
+                # The current weights are not a valid model: only a complete update can fix that.
+                covered = {t.name for t in manifest.tensors}
+                missing = sorted(
+                    n for n in self._params if n not in covered and not self._tied_name_covered(n, covered)
+                )
+                if missing:
+                    receiver.target = _RejectAllTarget()
+                    try:
+                        receiver.receive(manifest)
+                    except ManifestMismatch:
+                        pass
+                    finally:
+                        receiver.target = self._target
+                    raise ManifestMismatch(
+                        f"weight update v{manifest.version} rejected: the engine's weights are invalid "
+                        f"({self._invalid_reason}), so it needs a complete push; missing {len(missing)} "
+                        f"tensors, e.g. {missing[:3]}"
+                    )
+            if self._apply_mode == "staged":
+                receiver.target = _ApplyOnWorker(self, manifest.version)
                 try:
                     receiver.receive(manifest)
-                except ManifestMismatch:
-                    pass
                 finally:
                     receiver.target = self._target
-                raise ManifestMismatch(
-                    f"weight update v{manifest.version} rejected: the engine's weights are invalid "
-                    f"({self._invalid_reason}), so it needs a complete push; missing {len(missing)} "
-                    f"tensors, e.g. {missing[:3]}"
-                )
+                return
+            try:
+                self._model_version = receiver.receive(manifest)
+            except WeightsInvalidated as exc:
+                self._invalid_reason = str(exc)
+                raise
+            self._invalid_reason = None
+
+    def _close_receiver(self, receiver: WeightReceiver) -> None:
+        """Cancel a receive in progress on ``receiver``, wait until it gave up, then close it."""
+        receiver.cancel("the weight-sync session was closed")
+        # A cancelled receive raises within a check interval; bounded in any case.
+        got = self._receive_lock.acquire(timeout=30.0)
         try:
-            self._model_version = receiver.receive(manifest)
-        except WeightsInvalidated as exc:
-            self._invalid_reason = str(exc)
-            raise
-        self._invalid_reason = None
+            receiver.close()
+        finally:
+            if got:
+                self._receive_lock.release()
 
     def _tied_name_covered(self, name: str, covered: set[str]) -> bool:
         """A tied parameter counts as pushed under any of its names."""
@@ -425,7 +595,7 @@ class TransformersEngine(Engine):
     async def _close_weight_transfer(self) -> None:
         receiver, self._receiver = self._receiver, None
         if receiver is not None:
-            await asyncio.to_thread(receiver.close)
+            await run_in_thread(self._close_receiver, receiver, name="roe-weights-close")
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def _extra_info(self) -> dict[str, Any]:
@@ -437,6 +607,8 @@ class TransformersEngine(Engine):
             "weights": self._weights_state,
             "batches_run": self.batches_run,
             "requests_run": self.requests_run,
+            "running": len(self._running),
+            "requests_cancelled": self.requests_cancelled,
         }
 
     async def _close(self) -> None:

@@ -49,7 +49,9 @@ class SlotSender(TransportSender):
         super().__init__(session_id=session_id, world_size=world_size, timeout_s=timeout_s, options=options)
         self._store, self._spec = _store.host_store(self.options, timeout_s)
         self._kv = _store.session_store(self._store, session_id, self._spec["secret"])
-        self._watch = _store.PeerWatch(self._kv, range(1, world_size), self._spec["dead_after_s"])
+        self._watch = _store.PeerWatch(
+            self._kv, range(1, world_size), self._spec["dead_after_s"], cancelled=self.raise_if_cancelled
+        )
         self._slots: list[tuple[str, Any, torch.Tensor] | None] = [None, None]
         self._made = 0
         self._token = ""
@@ -79,7 +81,7 @@ class SlotSender(TransportSender):
         # Receivers announce themselves by their first heartbeat.
         keys = [f"hb/{r}" for r in range(1, self.world_size)]
         _store.poll(
-            lambda: bool(self._kv.check(keys)), timeout_s=self.timeout_s, check=lambda: None,
+            lambda: bool(self._kv.check(keys)), timeout_s=self.timeout_s, check=self.raise_if_cancelled,
             on_timeout=lambda: WeightSyncError(
                 f"{self.name}: engines did not connect within {self.timeout_s:.0f} s", peer="receivers"
             ),
@@ -265,6 +267,7 @@ class SlotReceiver(TransportReceiver):
 
     def _check(self, index: int) -> None:
         assert self._beat is not None
+        self.raise_if_cancelled(index)
         self._beat.check()
         _store.raise_if_aborted(self._kv, f"{self._token}/abort", self.name, index)
 

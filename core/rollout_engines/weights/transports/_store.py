@@ -166,7 +166,7 @@ class SignedStore:
     def append_line(self, key: str, line: str) -> None:
         """Append one line (no newline inside) to the log under ``key``."""
         data = line.encode()
-        self.raw.append(key, self._sign(key, data) + b"|" + data + b"\n")  # type: ignore[arg-type]
+        self.raw.append(key, self._sign(key, data) + b"|" + data + b"\n")  # type: ignore[attr-defined]
 
     def read_lines(self, key: str, offset: int) -> tuple[list[str], int]:
         """The lines appended to ``key`` past byte ``offset``, each checked, and the new offset."""
@@ -259,8 +259,12 @@ class Heartbeat:
 class PeerWatch:
     """Sender side: which receivers reported a failure, and which stopped beating."""
 
-    def __init__(self, store: SignedStore, ranks: Iterable[int], dead_after_s: float) -> None:
+    def __init__(
+        self, store: SignedStore, ranks: Iterable[int], dead_after_s: float,
+        cancelled: Callable[[int | None], None] | None = None,
+    ) -> None:
         self.store, self.ranks, self.dead_after_s = store, list(ranks), dead_after_s
+        self._cancelled = cancelled
         now = time.monotonic()
         self._beats: dict[int, tuple[int, float]] = {r: (-1, now) for r in self.ranks}
         self.failures_seen = 0
@@ -288,7 +292,10 @@ class PeerWatch:
         return dead
 
     def check(self, bucket: int | None) -> None:
-        """Raise :class:`WeightSyncError` naming a receiver that failed or died."""
+        """Raise :class:`WeightSyncError` naming a receiver that failed or died (or, first, the
+        sender's own cancellation)."""
+        if self._cancelled is not None:
+            self._cancelled(bucket)
         if self.failures() != self.failures_seen:
             failed = self.failed_ranks()
             if failed:

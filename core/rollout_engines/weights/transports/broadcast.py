@@ -102,7 +102,9 @@ class _BroadcastSender(TransportSender):
         self._device = self._pick_device()
         self._store, self._spec = _store.host_store(self.options, timeout_s)
         self._kv = _store.session_store(self._store, session_id, self._spec["secret"])
-        self._watch = _store.PeerWatch(self._kv, range(1, world_size), self._spec["dead_after_s"])
+        self._watch = _store.PeerWatch(
+            self._kv, range(1, world_size), self._spec["dead_after_s"], cancelled=self.raise_if_cancelled
+        )
         self._gen = 0
         self._pg: Any = None
         self._broken = False
@@ -275,6 +277,7 @@ class _BroadcastReceiver(TransportReceiver):
 
     def _check(self, index: int | None) -> None:
         assert self._beat is not None
+        self.raise_if_cancelled(index)
         self._beat.check()
         _store.raise_if_aborted(self._kv, f"abort/{self._token}", self.kind, index)
 
