@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import httpx
 from rollout_engines.errors import EngineUnavailable
 
-from .protocol import error_from_payload
+from .protocol import error_from_payload, read_api_key_file
 
 logger = logging.getLogger("rollout_engines.remote.http")
 
@@ -24,13 +25,18 @@ class ApiClient:
 
     ``GET`` calls are retried (``retries`` times, backoff ``backoff_s * 2**attempt`` with jitter) on
     connection errors and 502/503/504; nothing else is ever retried, because a generate or a weight
-    update that reached the server must not run twice.
+    update that reached the server must not run twice. The one exception: with ``api_key_file``, a
+    call refused with 401 (it never ran) is sent once more if the file now holds another key (a
+    restarted server that wrote a new one).
     """
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
-                 connect_timeout_s: float = 10.0, retries: int = 3, backoff_s: float = 0.2,
+    def __init__(self, base_url: str, *, api_key: str | None = None, api_key_file: str | os.PathLike[str] | None = None,
+                 timeout_s: float = 600.0, connect_timeout_s: float = 10.0, retries: int = 3, backoff_s: float = 0.2,
                  max_connections: int = 256) -> None:
         self.base_url = base_url.rstrip("/")
+        self.api_key_file = api_key_file if not api_key else None
+        if api_key is None and api_key_file is not None:
+            api_key = read_api_key_file(api_key_file)
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.retries, self.backoff_s = retries, backoff_s
@@ -48,6 +54,22 @@ class ApiClient:
             self._loop = loop
         return self._client
 
+    def _reload_key(self) -> bool:
+        """Re-read ``api_key_file``; True when it holds a key other than the one in use."""
+        if self.api_key_file is None:
+            return False
+        try:
+            key = read_api_key_file(self.api_key_file)
+        except ValueError:
+            return False
+        headers = {"authorization": f"Bearer {key}"}
+        if headers == self.headers:
+            return False
+        self.headers = headers
+        if self._client is not None:
+            self._client.headers.update(headers)
+        return True
+
     def _delay(self, attempt: int) -> float:
         return self.backoff_s * (2**attempt) * (0.5 + random.random())
 
@@ -61,25 +83,32 @@ class ApiClient:
             kwargs["headers"] = {"content-type": "application/json"}
         if timeout is not None:
             kwargs["timeout"] = httpx.Timeout(timeout, connect=self.timeout.connect)
-        for attempt in range(attempts):
+        reloaded, attempt = False, 0
+        while True:
             try:
                 resp = await self.client().request(method, path, json=json, content=content, **kwargs)
             except httpx.TimeoutException as exc:
                 if attempt + 1 < attempts:
                     await asyncio.sleep(self._delay(attempt))
+                    attempt += 1
                     continue
                 raise EngineUnavailable(f"{where}: no answer in time ({type(exc).__name__}); the server is "
                                         "overloaded or stuck, or the timeout option is too short") from exc
             except httpx.TransportError as exc:
                 if attempt + 1 < attempts:
                     await asyncio.sleep(self._delay(attempt))
+                    attempt += 1
                     continue
                 raise EngineUnavailable(f"{where}: cannot reach the server ({exc!r}); is it running?") from exc
             if resp.status_code in RETRY_STATUS and attempt + 1 < attempts:
                 await asyncio.sleep(self._delay(attempt))
+                attempt += 1
+                continue
+            if (resp.status_code == 401 and not reloaded and isinstance(content, (bytes, str, type(None)))
+                    and self._reload_key()):
+                reloaded = True  # refused before it ran: safe to send again, once, with the new key
                 continue
             return self._result(resp, where, raw)
-        raise AssertionError("unreachable")
 
     @staticmethod
     def _result(resp: httpx.Response, where: str, raw: bool) -> Any:
@@ -113,6 +142,8 @@ class ApiClient:
                 continue
             if resp.status_code in RETRY_STATUS and attempt < self.retries:
                 time.sleep(self._delay(attempt))
+                continue
+            if resp.status_code == 401 and self._reload_key():
                 continue
             return self._result(resp, where, False)
         raise EngineUnavailable(f"{where}: cannot reach the server ({last!r}); is it running, and is the URL "

@@ -1,11 +1,12 @@
 """The ``remote`` backend: a server over HTTP that looks like a local engine.
 
-    engine = roe.create_engine("remote", model="http://127.0.0.1:8000", api_key="...")
+    engine = roe.create_engine("remote", model="http://127.0.0.1:8000", api_key_file="~/.cache/rollout-engines/serve-8000.key")
     engine = roe.create_engine("remote", model="http://host:8000", server="vllm")    # plain vLLM
     engine = roe.create_engine("remote", model="http://host:30000", server="sglang") # plain SGLang
 
 Options: ``url`` (else ``EngineConfig.model`` is the URL), ``server`` (``rollout`` | ``vllm`` |
-``sglang``, default ``rollout``), ``api_key`` (else ``$ROLLOUT_ENGINES_API_KEY``), ``timeout_s``
+``sglang``, default ``rollout``), ``api_key`` or ``api_key_file`` (a file holding the key, e.g. the
+one ``rollout-engines serve`` writes; else ``$ROLLOUT_ENGINES_API_KEY``), ``timeout_s``
 (per request, default 600), ``connect_timeout_s`` (10), ``retries`` (3, idempotent calls only),
 ``backoff_s`` (0.2), ``max_connections`` (256), ``transports`` (declare only these of the server's
 weight transports, e.g. ``["http"]``).
@@ -45,7 +46,8 @@ class RemoteEngine(Engine):
         self._reset_done = False
         self.server_kind = str(opts.get("server", "rollout"))
         self.api = ApiClient(
-            self.url, api_key=opts.get("api_key") or os.environ.get(API_KEY_ENV),
+            self.url, api_key=opts.get("api_key") or (None if opts.get("api_key_file") else os.environ.get(API_KEY_ENV)),
+            api_key_file=opts.get("api_key_file"),
             timeout_s=float(opts.get("timeout_s", 600.0)), connect_timeout_s=float(opts.get("connect_timeout_s", 10.0)),
             retries=int(opts.get("retries", 3)), backoff_s=float(opts.get("backoff_s", 0.2)),
             max_connections=int(opts.get("max_connections", 256)),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -15,6 +16,8 @@ from typing import IO, Any
 
 import httpx
 
+from .protocol import API_KEY_ENV
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -25,24 +28,30 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServerProcess:
     """``rollout-engines serve`` in a subprocess on a free port of 127.0.0.1.
 
+    The server's API key is ``api_key`` or, without one, a fresh random key (``self.api_key``;
+    ``self.headers`` carries it); it reaches the child through ``$ROLLOUT_ENGINES_API_KEY``, never
+    its command line (which every local user can read). ``insecure_no_auth=True`` serves without a key.
     Use as a context manager; :meth:`stop` sends SIGTERM (graceful: in-flight requests finish
     within ``--grace-period``) and kills the process if it outlives ``kill_after_s``.
     """
 
     def __init__(self, backend: str, model: str, *, api_key: str | None = None, options: dict[str, Any] | None = None,
                  extra_args: Sequence[str] = (), env: dict[str, str] | None = None, log: Path | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", insecure_no_auth: bool = False) -> None:
         self.host, self.port = host, free_port(host)
         self.url = f"http://{host}:{self.port}"
-        self.api_key = api_key
+        self.api_key = None if insecure_no_auth else (api_key or secrets.token_urlsafe(32))
         args = [sys.executable, "-m", "rollout_engines_remote.server", "--backend", backend, "--model", model,
                 "--host", host, "--port", str(self.port), "--log-level", "warning", *extra_args]
-        if api_key:
-            args += ["--api-key", api_key]
+        if insecure_no_auth:
+            args.append("--insecure-no-auth")
         for key, value in (options or {}).items():
             args += ["--option", f"{key}={value}"]
         self.args = args
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env.pop(API_KEY_ENV, None)
+        if self.api_key:
+            self.env[API_KEY_ENV] = self.api_key
         self.log_path = log
         self._log: IO[bytes] | None = None
         self.proc: subprocess.Popen[bytes] | None = None

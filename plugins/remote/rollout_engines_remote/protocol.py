@@ -8,6 +8,8 @@ live here. Errors travel as ``{"error": {"type", "message", "param"}}`` (OpenAI'
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,6 +18,18 @@ from rollout_engines.errors import RolloutEnginesError
 
 #: Environment variable holding the API key (server and client), instead of a command-line flag.
 API_KEY_ENV = "ROLLOUT_ENGINES_API_KEY"
+
+
+def read_api_key_file(path: str | os.PathLike[str]) -> str:
+    """The API key stored in ``path`` (one line; surrounding white space removed)."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the API key file {path}: {exc.strerror or exc}") from None
+    key = text.strip()
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"the API key file {path} must hold exactly one key")
+    return key
 
 #: HTTP status of each typed core error. Everything a client can cause is a 4xx; 503 means
 #: "this server cannot serve now" (closed or unavailable engine).
@@ -92,7 +106,13 @@ class RemoteRequestInvalid(RemoteError, ValueError):
 
 
 class RemoteAuthError(RemoteError, PermissionError):
-    """Missing or wrong API key (401): pass options={'api_key': ...} matching the server's --api-key."""
+    """Missing or wrong API key (401): pass options={'api_key': ...} or {'api_key_file': PATH} with the
+    server's key (the file it was started with, or the one it wrote and logged at start)."""
+
+
+class RemoteForbidden(RemoteError, PermissionError):
+    """The server's configuration refuses the request (403, e.g. a ``disk`` transfer outside its
+    ``--weights-root``; 421, a Host name it does not answer to): change the request or the server's flags."""
 
 
 _TYPED = {
@@ -115,6 +135,10 @@ def error_from_payload(status: int, payload: Any, where: str) -> Exception:
         return cls(message)
     if status == 401:
         return RemoteAuthError(message, status=status, type=kind, param=param)
+    if status in (403, 421):
+        return RemoteForbidden(message, status=status, type=kind, param=param)
+    if kind == "InitInProgress":
+        return core_errors.WeightSyncError(message)
     if status in (400, 404, 405, 413, 422):
         return RemoteRequestInvalid(message, status=status, type=kind, param=param)
     if status in (502, 503, 504):

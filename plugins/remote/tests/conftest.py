@@ -33,14 +33,17 @@ class ThreadServer:
         self.thread.join(60)
 
 
-def start_thread_server(engine: Any, api_key: str | None = API_KEY, **app_kwargs: Any) -> ThreadServer:
+def start_thread_server(engine: Any, api_key: str | None = API_KEY, *, host: str = "127.0.0.1", port: int | None = None,
+                        **app_kwargs: Any) -> ThreadServer:
+    """``create_app(engine, api_key=..., bind_host=host, **app_kwargs)`` served by uvicorn on
+    ``host:port`` (a free port by default) from a thread of this process."""
     import uvicorn
     from rollout_engines_remote.launch import free_port
     from rollout_engines_remote.server import create_app
 
-    port = free_port()
-    app = create_app(engine, api_key=api_key, **app_kwargs)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", backlog=2048))
+    port = port or free_port(host)
+    app = create_app(engine, api_key=api_key, bind_host=host, **app_kwargs)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", backlog=2048))
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -48,7 +51,7 @@ def start_thread_server(engine: Any, api_key: str | None = API_KEY, **app_kwargs
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
-    return ThreadServer(f"http://127.0.0.1:{port}", app, engine, api_key, server, thread)
+    return ThreadServer(f"http://{host}:{port}", app, engine, api_key, server, thread)
 
 
 @pytest.fixture(scope="module")

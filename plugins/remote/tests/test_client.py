@@ -124,7 +124,7 @@ def test_graceful_shutdown_finishes_in_flight_requests(tiny_model, tmp_path):
                 "sampling": {"temperature": 0, "max_tokens": 400, "ignore_eos": True}}
 
         async def go() -> tuple[list[httpx.Response], int | None]:
-            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as c:
                 pending = [asyncio.ensure_future(c.post("/generate", json=body)) for _ in range(3)]
                 await asyncio.sleep(1.0)  # the requests are running now
                 code = await asyncio.to_thread(server.stop)
@@ -150,7 +150,7 @@ def test_shutdown_aborts_cleanly_after_the_grace_period(tiny_model, tmp_path):
                 "sampling": {"temperature": 0, "max_tokens": 2000, "ignore_eos": True}}
 
         async def go() -> tuple[BaseException | httpx.Response, int | None, float]:
-            async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
+            async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=300) as c:
                 pending = asyncio.ensure_future(c.post("/generate", json=body))
                 await asyncio.sleep(1.0)
                 start = time.perf_counter()
