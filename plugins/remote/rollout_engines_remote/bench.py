@@ -35,7 +35,7 @@ def http_receivers(specs: list[dict[str, Any]], receivers: int, threads: int) ->
                             "--max-bucket-bytes", str(64 * 2**30)],
             )
             servers.append(stack.enter_context(server))
-        yield [create_engine("remote", model=s.url) for s in servers]
+        yield [create_engine("remote", model=s.url, api_key=s.api_key) for s in servers]
 
 
 def generate_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def generate_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         server = ServerProcess(served, str(args.model), options=opts, log=Path(tmp) / "server.log")
         with server:
             async def both() -> tuple[float, float | None, int, bool]:
-                remote = create_engine("remote", model=server.url)
+                remote = create_engine("remote", model=server.url, api_key=server.api_key)
                 # Engines with worker processes (vLLM) pin and poll cores even when idle: two alive
                 # at once slow each other down, so those sides run one after the other.
                 separate = bool(remote.adapter.served.get("capabilities", {}).get("multi_process"))

@@ -141,7 +141,8 @@ class _BroadcastSender(TransportSender):
 
     def begin(self, manifest: WeightManifest) -> None:
         self._token = manifest.session_id
-        if self._broken or self._watch.failures() != self._watch.failures_seen:
+        # A rebuild needs a signed report (failed/<rank>), not just the unsigned failure counter.
+        if self._broken or (self._watch.failures() != self._watch.failures_seen and self._watch.failed_ranks()):
             # A previous update failed on some side: start a fresh group everyone can trust.
             _drop_group(self._pg)
             self._pg = None

@@ -77,12 +77,17 @@ class InprocReceiver(TransportReceiver):
                 self.queue.get_nowait()
 
     def recv_bucket(self, index: int, nbytes: int) -> tuple[BucketHeader, torch.Tensor]:
-        try:
-            header, buf = self.queue.get(timeout=self.timeout_s)
-        except queue.Empty:
-            raise WeightSyncError(
-                f"inproc: no bucket within {self.timeout_s:.0f} s", peer="trainer", bucket=index
-            ) from None
+        deadline = time.monotonic() + self.timeout_s
+        while True:  # short waits, so a cancelled receive gives up within half a second
+            self.raise_if_cancelled(index)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WeightSyncError(f"inproc: no bucket within {self.timeout_s:.0f} s", peer="trainer", bucket=index)
+            try:
+                header, buf = self.queue.get(timeout=min(left, 0.5))
+                break
+            except queue.Empty:
+                continue
         return header, buf.to(self.device, non_blocking=True) if buf.device != self.device else buf
 
     def close(self) -> None:
