@@ -29,7 +29,7 @@ from .factory import acreate_engine, create_engine
 from .hookspecs import hookimpl
 from .plugins import BackendSpec, TransportEntry, get_registry
 from .types import ChatMessage, Completion, EngineConfig, EngineInfo, GenerateRequest, SamplingParams
-from .weights.manifest import TensorSpec, TransportSpec, WeightManifest
+from .weights.manifest import ExpectedSpec, TensorSpec, TransportSpec, WeightManifest
 
 __version__ = "0.1.0"
 
@@ -37,12 +37,14 @@ _LAZY = {
     "connect_weight_sync": ("rollout_engines.weights.session", "connect_weight_sync"),
     "WeightSync": ("rollout_engines.weights.session", "WeightSync"),
     "WeightReceiver": ("rollout_engines.weights.receiver", "WeightReceiver"),
+    "WeightTarget": ("rollout_engines.weights.receiver", "WeightTarget"),
+    "StateDictTarget": ("rollout_engines.weights.receiver", "StateDictTarget"),
     "EngineGroup": ("rollout_engines.group", "EngineGroup"),
 }
 
 if TYPE_CHECKING:
     from .group import EngineGroup
-    from .weights.receiver import WeightReceiver
+    from .weights.receiver import StateDictTarget, WeightReceiver, WeightTarget
     from .weights.session import WeightSync, connect_weight_sync
 
 
@@ -58,10 +60,10 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BackendLoadError", "BackendNotInstalled", "BackendSpec", "BlockingEngine", "Capabilities",
     "CapabilityError", "ChatMessage", "Completion", "DuplicateBackend", "Engine", "EngineAsleep",
-    "EngineClosed", "EngineConfig", "EngineGroup", "EngineInfo", "EngineUnavailable", "GenerateRequest",
-    "InvalidRequest",
-    "ManifestMismatch", "RolloutEnginesError", "SamplingParams", "StaleVersion", "TensorSpec", "TransportEntry",
-    "TransportSpec", "UnknownBackend", "UnknownTransport", "WeightManifest", "WeightReceiver",
-    "WeightSync", "WeightSyncError", "WeightsInvalidated", "acreate_engine", "connect_weight_sync",
-    "create_engine", "get_registry", "hookimpl", "__version__",
+    "EngineClosed", "EngineConfig", "EngineGroup", "EngineInfo", "EngineUnavailable", "ExpectedSpec",
+    "GenerateRequest", "InvalidRequest", "ManifestMismatch", "RolloutEnginesError", "SamplingParams",
+    "StaleVersion", "StateDictTarget", "TensorSpec", "TransportEntry", "TransportSpec", "UnknownBackend",
+    "UnknownTransport", "WeightManifest", "WeightReceiver", "WeightTarget", "WeightSync", "WeightSyncError",
+    "WeightsInvalidated", "acreate_engine", "connect_weight_sync", "create_engine", "get_registry",
+    "hookimpl", "__version__",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .hookspecs import hookimpl
-from .plugins import BackendSpec, TransportEntry
+from .plugins import BackendSpec, TransportEntry, install_hint
 
 _T = "rollout_engines.weights.transports"
 
@@ -17,7 +17,7 @@ def register_backends(register: Callable[[BackendSpec], None]) -> None:
         BackendSpec(
             name="transformers",
             target="rollout_engines.backends.transformers.engine:TransformersEngine",
-            install_hint='pip install "rollout-engines"',
+            install_hint=install_hint(),
             requires=("torch", "transformers"),
             description="Embedded engine on transformers model code (CPU or one GPU).",
             capabilities={"sleep_levels": [1, 2], "transports": ["inproc", "gloo", "nccl", "shm", "disk", "cuda_ipc"]},

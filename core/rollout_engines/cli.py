@@ -104,9 +104,9 @@ def cmd_serve(argv: list[str]) -> int:
         server = importlib.import_module("rollout_engines_remote.server")
     except ImportError as exc:
         from .errors import BackendNotInstalled
-        from .plugins import FIRST_PARTY
+        from .plugins import first_party_hint
 
-        raise BackendNotInstalled("remote", FIRST_PARTY["remote"], cause=str(exc)) from exc
+        raise BackendNotInstalled("remote", first_party_hint("remote"), cause=str(exc)) from exc
     return int(server.main(argv) or 0)
 
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,7 +26,7 @@ from .errors import (
     WeightsInvalidated,
     WeightSyncError,
 )
-from .types import Completion, EngineConfig, EngineInfo, GenerateRequest
+from .types import Completion, EngineConfig, EngineInfo, GenerateRequest, PauseMode, StreamDelta
 from .weights.manifest import TransportSpec, WeightManifest
 
 logger = logging.getLogger("rollout_engines")
@@ -56,6 +56,14 @@ class Capabilities(BaseModel):
         "before generation (SGLang releases weights; vLLM sleep level 2 discards them).",
     )
     pause: bool = True
+    pause_modes: tuple[PauseMode, ...] = Field(
+        default=(), description="Modes of pause() beyond the plain 'wait' that 'pause' grants."
+    )
+    streaming: bool = Field(default=False, description="stream() yields tokens as they are made.")
+    abort: bool = Field(default=False, description="abort(request_ids) ends running requests early.")
+    top_logprobs: int = Field(default=0, ge=0, description="Largest SamplingParams.top_logprobs served.")
+    prompt_logprobs: bool = False
+    continuation: bool = Field(default=False, description="GenerateRequest.continue_from is served.")
     prefix_cache: bool = True
     transports: tuple[str, ...] = ()
     tensor_parallel: bool = False
@@ -92,6 +100,7 @@ class Engine(abc.ABC):
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._paused = False
+        self._pause_mode: PauseMode | None = None
         self._weight_update_lock = threading.Lock()
         #: The update being received: (version, monotonic start, its timeout), else None.
         self._receiving: tuple[int, float, float] | None = None
@@ -109,8 +118,22 @@ class Engine(abc.ABC):
     async def _reset_prefix_cache(self) -> None:
         return None
 
-    async def _pause(self) -> None:
+    async def _pause(self, mode: PauseMode) -> None:
         return None
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        """Deltas of a request whose ``request_ids`` are set. Default, for backends without
+        streaming: one delta per completion, once the whole request is done."""
+        for c in await self._generate(request):
+            yield StreamDelta(
+                request_id=c.request_id, prompt_index=c.prompt_index, sample_index=c.sample_index,
+                token_ids=c.token_ids, logprobs=c.logprobs, top_logprobs=c.top_logprobs,
+                weight_version=c.weight_version, finish_reason=c.finish_reason,
+            )
+
+    async def _abort(self, request_ids: Sequence[str] | None) -> None:
+        """End these running requests now (``None``: all); unknown ids are ignored."""
+        raise CapabilityError(f"backend '{self.backend_name}' cannot abort requests")
 
     async def _resume(self) -> None:
         return None
@@ -184,6 +207,22 @@ class Engine(abc.ABC):
             require(caps, "n", name, "return several samples per prompt")
         if s.stop:
             require(caps, "stop_strings", name, "stop on strings")
+        if s.top_logprobs and s.top_logprobs > caps.top_logprobs:
+            raise CapabilityError(
+                f"backend '{name}' returns at most {caps.top_logprobs} top logprobs per position, "
+                f"not {s.top_logprobs} (capability 'top_logprobs')"
+            )
+        if s.prompt_logprobs is not None:
+            require(caps, "prompt_logprobs", name, "return prompt logprobs")
+        if request.continue_from is not None:
+            require(caps, "continuation", name, "continue earlier completions (continue_from)")
+
+    @staticmethod
+    def _with_ids(request: GenerateRequest) -> GenerateRequest:
+        """The request with an id for every prompt x sample (the caller's, or new ones)."""
+        if request.request_ids is not None:
+            return request
+        return request.model_copy(update={"request_ids": request.sequence_ids()})
 
     async def generate(self, request: GenerateRequest) -> list[Completion]:
         """Generate for every prompt of the batch; returns batch_size * n completions, prompt-major."""
@@ -191,11 +230,47 @@ class Engine(abc.ABC):
         self._check_request(request)
         await self._resumed.wait()
         self._check_usable()
+        request = self._with_ids(request)
         self._outstanding += 1
         try:
-            return await self._generate(request)
+            outs = await self._generate(request)
         finally:
             self._outstanding -= 1
+        ids = request.request_ids or ()
+        for c, rid in zip(outs, ids, strict=False):
+            if not c.request_id:
+                c.request_id = rid
+        return outs
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        """Generate, yielding :class:`StreamDelta` objects (new tokens of one prompt x sample) as
+        they are made; the last delta of each sequence carries its ``finish_reason``. The engine
+        produces no faster than the caller consumes (bounded buffers). Backends without the
+        ``streaming`` capability yield each sequence whole when it is done."""
+        self._check_usable()
+        self._check_request(request)
+        await self._resumed.wait()
+        self._check_usable()
+        request = self._with_ids(request)
+        self._outstanding += 1
+        try:
+            async for delta in self._stream(request):
+                yield delta
+        finally:
+            self._outstanding -= 1
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Finish these requests now: each returns (or streams its last delta) promptly with
+        ``finish_reason="abort"`` and the tokens made so far. Unknown or finished ids are ignored."""
+        require(self.capabilities, "abort", self.backend_name, "abort requests")
+        self._check_not_closed()
+        await self._abort(list(request_ids))
+
+    async def abort_all(self) -> None:
+        """:meth:`abort` every running request."""
+        require(self.capabilities, "abort", self.backend_name, "abort requests")
+        self._check_not_closed()
+        await self._abort(None)
 
     async def chat(self, request: GenerateRequest) -> list[Completion]:
         if request.messages is None:
@@ -239,19 +314,33 @@ class Engine(abc.ABC):
         self._check_not_closed()
         await self._reset_prefix_cache()
 
-    async def pause(self) -> None:
-        """Hold new generation until :meth:`resume` (in-flight requests finish first where the
-        backend cannot pause them mid-way)."""
-        require(self.capabilities, "pause", self.backend_name, "pause")
+    def pause_modes(self) -> tuple[PauseMode, ...]:
+        caps = self.capabilities
+        plain: tuple[PauseMode, ...] = ("wait",) if caps.pause else ()
+        return tuple(dict.fromkeys(plain + caps.pause_modes))
+
+    async def pause(self, mode: PauseMode = "wait") -> None:
+        """Hold new generation until :meth:`resume`. In-flight requests: ``wait`` lets them finish
+        (this returns when they did), ``abort`` ends them now with their partial results,
+        ``keep`` freezes them where they are; they continue after :meth:`resume`, with the weights
+        current then (a push while paused in ``keep`` mode is allowed; per-token versions show
+        the switch)."""
+        modes = self.pause_modes()
+        if mode not in modes:
+            raise CapabilityError(
+                f"backend '{self.backend_name}' cannot pause in mode '{mode}'; it supports: "
+                f"{', '.join(modes) or 'none'} (capability 'pause_modes')"
+            )
         self._check_not_closed()
         self._paused = True
+        self._pause_mode = mode
         self._resumed.clear()
-        await self._pause()
+        await self._pause(mode)
 
     async def resume(self) -> None:
         self._check_not_closed()
         await self._resume()
-        self._paused = False
+        self._paused, self._pause_mode = False, None
         self._resumed.set()
 
     async def init_weight_transfer(self, spec: TransportSpec) -> None:

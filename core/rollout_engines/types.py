@@ -30,12 +30,18 @@ A request past a limit fails validation (pydantic's ``ValidationError``; the HTT
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 FinishReason = Literal["stop", "length", "abort"]
+#: ``abort``: in-flight requests end now with what they have; ``wait``: they finish, no new ones
+#: start; ``keep``: they freeze where they are and continue after ``resume()`` (with the weights
+#: current then).
+PauseMode = Literal["abort", "wait", "keep"]
+MAX_REQUEST_ID_CHARS = 256
 
 MAX_TOKEN_ID = 2**31 - 1
 MAX_TOP_K = 2**31 - 1
@@ -105,6 +111,16 @@ class SamplingParams(_Model):
         default=None, ge=0, description=f"Return the sampled token's logprob; at most MAX_LOGPROBS ({MAX_LOGPROBS})."
     )
     n: int = Field(default=1, ge=1, description=f"Samples per prompt; at most MAX_N ({MAX_N}).")
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS,
+        description="Per generated position, the k most likely tokens with their logprobs (sorted, "
+        "plus the sampled token when it is not among them). Needs capability 'top_logprobs' >= k.",
+    )
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS,
+        description="Per prompt token, its logprob given the tokens before it (the first has none); "
+        "k > 0 adds the k most likely tokens per position. Needs capability 'prompt_logprobs'.",
+    )
 
     @field_validator("top_k")
     @classmethod
@@ -216,6 +232,28 @@ class GenerateRequest(_Model):
     messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] | None = None
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     session_id: str | None = Field(default=None, description="Routes a multi-turn session to one engine.")
+    request_ids: list[str] | None = Field(
+        default=None,
+        description="One id per prompt x sample (prompt-major), unique among the engine's running "
+        "requests; assigned when absent. Abort takes these ids.",
+    )
+    continue_from: list[Completion] | None = Field(
+        default=None,
+        description="Partial rollouts: one earlier completion per prompt (n must be 1). The engine "
+        "prefills prompt + its tokens under the current weights and appends; the result carries the "
+        "whole response (earlier tokens, logprobs and per-token versions first).",
+    )
+
+    @field_validator("request_ids")
+    @classmethod
+    def _ids_bounded(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            if len(set(v)) != len(v):
+                raise ValueError("request_ids must be unique")
+            bad = next((r for r in v if not r or len(r) > MAX_REQUEST_ID_CHARS), None)
+            if bad is not None:
+                raise ValueError(f"request ids must be 1..{MAX_REQUEST_ID_CHARS} characters, got {bad[:40]!r}")
+        return v
 
     @field_validator("prompt_token_ids", "prompts", "messages", mode="before")
     @classmethod
@@ -287,7 +325,24 @@ class GenerateRequest(_Model):
                 f"batch size x n = {self.batch_size} x {self.sampling.n} = {sequences} sequences, more than "
                 f"MAX_SEQUENCES ({MAX_SEQUENCES}) per request; split the batch over several requests"
             )
+        if self.request_ids is not None and len(self.request_ids) != sequences:
+            raise ValueError(
+                f"request_ids has {len(self.request_ids)} ids; give one per prompt x sample ({sequences})"
+            )
+        if self.continue_from is not None:
+            if len(self.continue_from) != self.batch_size:
+                raise ValueError(
+                    f"continue_from has {len(self.continue_from)} completions; give one per prompt ({self.batch_size})"
+                )
+            if self.sampling.n != 1:
+                raise ValueError("continue_from continues one sample per prompt: use n=1")
         return self
+
+    def sequence_ids(self) -> list[str]:
+        """The request id of every prompt x sample (prompt-major): the caller's, else new ones."""
+        if self.request_ids is not None:
+            return list(self.request_ids)
+        return [uuid.uuid4().hex for _ in range(self.batch_size * self.sampling.n)]
 
     @property
     def batch_size(self) -> int:
@@ -298,18 +353,51 @@ class GenerateRequest(_Model):
         return 0
 
 
+class TokenLogprob(_Model):
+    token_id: int
+    logprob: float
+
+
 class Completion(_Model):
     """One sampled continuation. A request of B prompts with ``n`` samples gives B*n of these,
     ordered prompt-major (all samples of prompt 0 first)."""
 
     prompt_index: int
     sample_index: int = 0
+    request_id: str = ""
     prompt_token_ids: list[int] = Field(default_factory=list)
     token_ids: list[int]
     text: str = ""
     logprobs: list[float] | None = None
+    top_logprobs: list[list[TokenLogprob]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[TokenLogprob]] | None = None
     finish_reason: FinishReason
+    weight_version: int = Field(description="The version of the weights that produced the last token.")
+    token_weight_versions: list[int] | None = Field(
+        default=None,
+        description="One weight version per output token, when the completion spans more than one "
+        "version (a rollout paused and continued across a push); None when all are weight_version.",
+    )
+
+    def versions(self) -> list[int]:
+        """The weight version of every output token."""
+        if self.token_weight_versions is not None:
+            return list(self.token_weight_versions)
+        return [self.weight_version] * len(self.token_ids)
+
+
+class StreamDelta(_Model):
+    """What ``Engine.stream`` yields: new tokens of one prompt x sample since its last delta."""
+
+    request_id: str
+    prompt_index: int
+    sample_index: int = 0
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TokenLogprob]] | None = None
     weight_version: int
+    finish_reason: FinishReason | None = Field(default=None, description="Set on the last delta of a sequence.")
 
 
 class EngineInfo(_Model):
@@ -322,3 +410,6 @@ class EngineInfo(_Model):
     healthy: bool = True
     capabilities: dict[str, Any] = Field(default_factory=dict)
     extra: dict[str, Any] = Field(default_factory=dict)
+
+
+GenerateRequest.model_rebuild()

@@ -136,7 +136,7 @@ class EchoEngine(Engine):
         self._alive()
         self.prefix_resets += 1
 
-    async def _pause(self) -> None:
+    async def _pause(self, mode: str = "wait") -> None:
         self._alive()
         self.paused_calls += 1
 

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from ..types import Completion, EngineConfig, EngineInfo, GenerateRequest
+from ..types import Completion, EngineConfig, EngineInfo, GenerateRequest, PauseMode
 from ..weights.manifest import TransportSpec, WeightManifest
 
 #: Environment variables an actor reports in :meth:`EngineActor.describe` (device placement).
@@ -69,8 +69,8 @@ class EngineActor:
     async def reset_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()
 
-    async def pause(self) -> None:
-        await self.engine.pause()
+    async def pause(self, mode: PauseMode = "wait") -> None:
+        await self.engine.pause(mode)
 
     async def resume(self) -> None:
         await self.engine.resume()

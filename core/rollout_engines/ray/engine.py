@@ -29,7 +29,7 @@ from ..engine import Capabilities, Engine
 from ..envs import RAY_NOSET, RayBundle
 from ..errors import EngineClosed, EngineUnavailable
 from ..group import EngineGroup
-from ..types import Completion, EngineConfig, EngineInfo, GenerateRequest
+from ..types import Completion, EngineConfig, EngineInfo, GenerateRequest, PauseMode
 from ..weights.manifest import TransportSpec, WeightManifest
 from .actor import EngineActor
 from .placement import bundle_scheduling
@@ -120,8 +120,8 @@ class RayEngine(Engine):
     async def reset_prefix_cache(self) -> None:
         await self._call("reset_prefix_cache")
 
-    async def pause(self) -> None:
-        await self._call("pause")
+    async def pause(self, mode: PauseMode = "wait") -> None:
+        await self._call("pause", mode)
 
     async def resume(self) -> None:
         await self._call("resume")

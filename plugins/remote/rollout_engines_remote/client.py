@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_engines.engine import Engine
-from rollout_engines.types import Completion, EngineConfig, EngineInfo, GenerateRequest
+from rollout_engines.types import Completion, EngineConfig, EngineInfo, GenerateRequest, PauseMode
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 
 from .adapters import make_adapter
@@ -79,7 +79,7 @@ class RemoteEngine(Engine):
             return
         await self.adapter.reset_prefix_cache()
 
-    async def _pause(self) -> None:
+    async def _pause(self, mode: PauseMode) -> None:
         await self.adapter.pause()
 
     async def _resume(self) -> None:

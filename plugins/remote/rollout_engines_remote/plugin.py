@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rollout_engines import BackendSpec, TransportEntry, hookimpl
+from rollout_engines.plugins import first_party_hint
 
 
 @hookimpl
@@ -16,7 +17,7 @@ def register_backends(register: Callable[[BackendSpec], None]) -> None:
         BackendSpec(
             name="remote",
             target="rollout_engines_remote.client:RemoteEngine",
-            install_hint='pip install "rollout-engines[remote]"',
+            install_hint=first_party_hint("remote"),
             requires=("httpx",),
             description="A rollout-engines server, a plain vLLM server or a plain SGLang server over HTTP.",
             capabilities={"transports": ["http"], "multi_process": True},

@@ -51,7 +51,7 @@ from rollout_engines.errors import (
     WeightsInvalidated,
     WeightSyncError,
 )
-from rollout_engines.types import Completion, EngineConfig, GenerateRequest
+from rollout_engines.types import Completion, EngineConfig, GenerateRequest, PauseMode
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, validate_manifest
 
 from . import translate
@@ -264,7 +264,7 @@ class SglangEngine(Engine):
                     raise EngineUnavailable(f"SGLang did not flush its prefix cache: {exc}") from exc
                 await asyncio.sleep(0.25)
 
-    async def _pause(self) -> None:
+    async def _pause(self, mode: PauseMode) -> None:
         await self.runtime.pause()
 
     async def _resume(self) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rollout_engines import BackendSpec, TransportEntry, hookimpl
+from rollout_engines.plugins import first_party_hint
 
-INSTALL_HINT = 'pip install "rollout-engines[sglang]"'
+#: Right for where the core was installed from (an index, or a checkout's plugins/sglang).
+INSTALL_HINT = first_party_hint("sglang")
 
 #: The transports an SGLang engine receives weights over (see ``engine.py`` for how each maps
 #: onto SGLang's API). Kept here, import-free, so listings need no SGLang.

@@ -40,7 +40,7 @@ from rollout_engines.errors import (
     InvalidRequest,
     WeightsInvalidated,
 )
-from rollout_engines.types import Completion, EngineConfig, GenerateRequest, SamplingParams
+from rollout_engines.types import Completion, EngineConfig, GenerateRequest, PauseMode, SamplingParams
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest, manifest_to_wire
 
 from .plugin import CPU_TRANSPORTS, CUDA_TRANSPORTS, INSTALL_HINT
@@ -456,7 +456,7 @@ class VllmEngine(Engine):
 
         return await self._on_loop(reset)
 
-    async def _pause(self) -> None:
+    async def _pause(self, mode: PauseMode) -> None:
         llm = self._llm
         if not hasattr(llm, "pause_generation"):
             return  # the base class holds new requests; in-flight ones finish

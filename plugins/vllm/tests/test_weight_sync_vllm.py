@@ -61,10 +61,10 @@ def caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
     return False
 
 
-async def push(engine, tensors, version, transport="gloo", **kw):
+async def push(engine, tensors, version, transport="gloo", partial=False, **kw):
     sync = await connect_weight_sync([engine], transport, bucket_bytes=BUCKET, timeout_s=60, **kw)
     try:
-        return await sync.push(tensors, version=version)
+        return await sync.push(tensors, version=version, partial=partial)
     finally:
         await sync.close()
 
@@ -124,14 +124,14 @@ async def test_part_of_a_fused_module_is_rejected(engine, original, request_, ti
     v0 = engine.weight_version
     partial = {k: v for k, v in update(str(tiny_model)).items() if ".q_proj." in k}
     with pytest.raises(WeightSyncError) as info:
-        await push(engine, partial, v0 + 1)
+        await push(engine, partial, v0 + 1, partial=True)
     assert caused_by(info.value, ManifestMismatch)
     assert "qkv_proj" in str(info.value) and "k_proj" in str(info.value)
     assert await tokens(engine, request_) == before
     assert engine.weight_version == v0
     # Whole modules are fine, even if the update is partial: one layer's attention only.
     layer0 = {k: v for k, v in update(str(tiny_model)).items() if k.startswith("model.layers.0.self_attn.")}
-    await push(engine, layer0, v0 + 1)
+    await push(engine, layer0, v0 + 1, partial=True)
     assert await tokens(engine, request_) != before
     await push(engine, original, v0 + 2)
     assert await tokens(engine, request_) == before
