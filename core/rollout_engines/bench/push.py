@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", default=None, help="default: cuda_ipc on a GPU, shm on the CPU")
     parser.add_argument("--pushes", type=int, default=6)
     parser.add_argument("--bucket-mb", type=float, default=512)
-    parser.add_argument("--checksum", default="sum64", choices=["sum64", "none"], help="per-bucket checksum")
+    parser.add_argument("--checksum", default="pos64", choices=["pos64", "sum64", "none"], help="per-bucket checksum")
     parser.add_argument("--option", action="append", default=[], metavar="K=V",
                         help="engine option (JSON values); 'transport.K=V' sets a weight-transport option")
     parser.add_argument("--generate-between", action="store_true",
@@ -89,7 +89,7 @@ def run(args: Any) -> dict[str, Any]:
     pushes = max(1, int(arg(args, "pushes", 6)))
     between = bool(arg(args, "generate_between", False))
     bucket_bytes = int(float(arg(args, "bucket_mb", 512)) * 2**20)
-    checksum = arg(args, "checksum", "sum64")
+    checksum = arg(args, "checksum", "pos64")
     options = parse_options(args)
     transport_options = {k.removeprefix("transport."): v for k, v in options.items() if k.startswith("transport.")}
     options = {k: v for k, v in options.items() if not k.startswith("transport.")}

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--receivers", type=int, default=1, help="receiver processes")
     parser.add_argument("--bucket-mb", type=float, default=None,
                         help="bucket size in MiB (default: the transport's own default)")
-    parser.add_argument("--checksum", default="sum64", choices=["sum64", "none"])
+    parser.add_argument("--checksum", default="pos64", choices=["pos64", "sum64", "none"])
     parser.add_argument("--repeats", type=int, default=3, help="timed pushes (best counts), after one warm-up")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--path", default=None, help="directory for --transport disk (default: a temp dir)")
