@@ -172,7 +172,9 @@ def raw_gloo_broadcast_gbps(nbytes: int, receivers: int, repeats: int, threads: 
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=600)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    from ..weights.transports._store import loopback_store
+
+    store = loopback_store("127.0.0.1", 0, timeout.total_seconds())
     rounds = repeats + 1
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_raw_receiver, args=(store.port, r, receivers + 1, nbytes, rounds, threads))

@@ -74,19 +74,28 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def loopback_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A master ``TCPStore`` that listens on exactly ``host`` (see :func:`_listen`)."""
+    sock = _listen(host, port)
+    try:
+        store = dist.TCPStore(
+            host, sock.getsockname()[1], is_master=True, wait_for_workers=False, timeout=_td(timeout_s),
+            use_libuv=False, master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store
+
+
 def host_store(options: dict[str, Any], timeout_s: float) -> tuple[dist.TCPStore, dict[str, Any]]:
     """Host the session's store on ``options['host']`` (default loopback) and make the session's
     signing secret. Port 0 = the OS picks a free port (no race between pick and bind). The returned
     spec (address, secret, liveness settings) is what receivers need to join."""
     host = str(options.get("host", DEFAULT_HOST))
     try:
-        sock = _listen(host, int(options.get("port", 0)))
-        port = sock.getsockname()[1]
-        store = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=_td(timeout_s),
-            use_libuv=False, master_listen_fd=sock.fileno(),
-        )
-        sock.detach()  # the store owns the descriptor now
+        store = loopback_store(host, int(options.get("port", 0)), timeout_s)
     except Exception as exc:
         raise WeightSyncError(
             f"could not host the weight-sync rendezvous store on {host}:{options.get('port', 0)}: {exc}. "
