@@ -161,6 +161,9 @@ def test_serve_without_a_key_generates_one_into_a_private_file(tiny_model, tmp_p
         assert proc_listeners(server.port) == ["0100007F"]  # 127.0.0.1 only
         with httpx.Client(base_url=server.url, timeout=60) as c:
             assert_typed_error(c.post("/weights/close"), 401, "Unauthorized")
+            assert_typed_error(c.post("/weights/init", json={"transport": "disk", "session_id": "x",
+                                                             "options": {"path": "/tmp"}}), 401, "Unauthorized")
+            assert_typed_error(c.post("/sleep", json={}), 401, "Unauthorized")
             auth = {"authorization": f"Bearer {key}"}
             assert c.get("/info", headers=auth).status_code == 200
             assert c.get("/info", headers={**auth, "host": "rollout.test"}).status_code == 200
