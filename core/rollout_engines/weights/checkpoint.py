@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .manifest import TensorSpec
+from .manifest import ExpectedSpec, TensorSpec
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +62,11 @@ def checkpoint_specs(model_dir: str | Path, runtime_dtype: str | None = None) ->
         tied = text_config.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
         embed = specs.get("model.embed_tokens.weight")
         if tied and embed is not None and "lm_head.weight" not in specs:
-            specs["lm_head.weight"] = TensorSpec(name="lm_head.weight", dtype=embed.dtype, shape=embed.shape)
+            # The same parameter under a second name: a complete push may carry either.
+            specs["lm_head.weight"] = ExpectedSpec(
+                name="lm_head.weight", dtype=embed.dtype, shape=embed.shape, tied_to=("model.embed_tokens.weight",)
+            )
+            specs["model.embed_tokens.weight"] = ExpectedSpec(**embed.model_dump(), tied_to=("lm_head.weight",))
     return specs
 
 
