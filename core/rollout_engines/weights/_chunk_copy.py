@@ -110,11 +110,17 @@ def launch(table: torch.Tensor, chunk_bytes: int = CHUNK_BYTES, block: int = _BL
     kernels[0][(table.numel() // 3,)](table, CHUNK=chunk_bytes // 4, BLOCK=block, num_warps=num_warps)
 
 
-def checksum(table: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
-    """The ``sum64`` checksum (wrapping sum of 64-bit words) of the sources of a table from
-    :func:`plan`, as a 0-dim int64 tensor on the device (one launch, then one reduction)."""
+def partial_sums(table: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """The wrapping sum of each chunk's 64-bit words, in table order, as an int64 tensor on the
+    device (one launch)."""
     kernels = _kernels()
     assert kernels is not None
     partials = torch.empty(table.numel() // 3, dtype=torch.int64, device=table.device)
     kernels[1][(partials.numel(),)](table, partials, CHUNK=chunk_bytes // 4, BLOCK=_BLOCK, num_warps=_WARPS)
-    return partials.sum()
+    return partials
+
+
+def checksum(table: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """The ``sum64`` checksum (wrapping sum of 64-bit words) of the sources of a table from
+    :func:`plan`, as a 0-dim int64 tensor on the device (one launch, then one reduction)."""
+    return partial_sums(table, chunk_bytes).sum()

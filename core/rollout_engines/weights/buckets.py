@@ -137,40 +137,60 @@ def alloc_bucket(nbytes: int, device: torch.device | str = "cpu", pin: bool = Fa
     return torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
 
 
+#: 64-bit words per chunk of a zero-copy bucket's ``pos64`` checksum (the chunked kernel's chunk).
+TENSOR_CHUNK_WORDS = _chunk_copy.CHUNK_BYTES // 8
+
+
 def checksum_tensors(tensors: Sequence[torch.Tensor], algo: str = "pos64") -> int:
     """The checksum of a bucket sent as separate tensors (zero-copy transports), in manifest order.
 
-    ``pos64``: ``sum((i + 1) * MIX * pos64(t_i))`` over the tensors' own bytes (position inside each
-    tensor and the tensors' order both count). ``sum64``: the wrapping sum of every tensor's words,
-    added up (on a GPU one chunked kernel for the whole bucket)."""
+    ``pos64``: each tensor's words cut into 1 MiB chunks from its start (its last bytes, when not
+    a whole word, one more part), every chunk's wrapping sum ``p_c`` in order, then
+    ``sum(p_c) + MIX * sum((c + 1) * p_c)``: the tensors' order and the chunks' places count (two
+    swapped tensors change it). On a GPU the chunk sums are one kernel launch for the whole bucket.
+    ``sum64``: the wrapping sum of every tensor's words, added up."""
     if algo == "none" or not tensors:
         return 0
-    if algo == "pos64":
-        total = 0
-        for i, t in enumerate(tensors):
-            raw = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else t.contiguous().reshape(-1).view(torch.uint8)
-            total += (i + 1) * _MIX * checksum(raw, "pos64")
-        return total & _MASK
+    if algo not in ("pos64", "sum64"):
+        raise ValueError(f"unknown checksum '{algo}'; use 'pos64', 'sum64' or 'none'")
     if tensors[0].is_cuda:
         table = _sum_table(tensors)
-        if table is not None:  # one chunked kernel for the whole bucket (rather than a sum per tensor)
-            return int(_chunk_copy.checksum(table).item())
+        if table is not None:  # one chunked kernel for the whole bucket (rather than sums per tensor)
+            partials = _chunk_copy.partial_sums(table)
+            if algo == "sum64":
+                return int(partials.sum().item())
+            return _combine(partials)
     parts: list[torch.Tensor] = []
-    total = 0
+    tail_total = 0
     for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if nbytes % 8 == 0 and t.is_contiguous():  # the common case: no slicing, no sync
-            parts.append(t.view(-1).view(torch.int64).sum())
-            continue
-        raw = t.reshape(-1).view(torch.uint8)
-        n = nbytes // 8 * 8
-        if n:
-            parts.append(raw[:n].view(torch.int64).sum())
-        for i, b in enumerate(raw[n:].tolist()):
-            total += b << (8 * i)
-    if parts:
-        total += int(torch.stack(parts).sum().item())
-    return total
+        raw = (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
+        n8 = raw.numel() // 8
+        if n8:
+            words = raw[: n8 * 8].view(torch.int64)
+            full = n8 // TENSOR_CHUNK_WORDS * TENSOR_CHUNK_WORDS if algo == "pos64" else 0
+            if full:
+                parts.append(words[:full].view(-1, TENSOR_CHUNK_WORDS).sum(1))
+            if full < n8:
+                parts.append(words[full:].sum().reshape(1))
+        if raw.numel() > n8 * 8:
+            value = 0
+            for i, b in enumerate(raw[n8 * 8 :].tolist()):
+                value += b << (8 * i)
+            if algo == "sum64":
+                tail_total += value
+            else:
+                parts.append(torch.tensor([value - (1 << 64) if value >= 1 << 63 else value],
+                                          dtype=torch.int64, device=raw.device))
+    if algo == "sum64":
+        return (int(torch.cat(parts).sum().item()) if parts else 0) + tail_total
+    return _combine(torch.cat(parts)) if parts else 0
+
+
+def _combine(partials: torch.Tensor) -> int:
+    """``sum(p) + MIX * sum((c + 1) * p)`` of chunk sums, wrapping at 64 bits (one device sync)."""
+    index = torch.arange(1, partials.numel() + 1, dtype=torch.int64, device=partials.device)
+    plain, weighted = torch.stack([partials.sum(), (partials * index).sum()]).tolist()
+    return (plain + _MIX * weighted) & _MASK
 
 
 #: Chunk tables for checksums on a GPU, by (address, bytes, contiguous) of every tensor: a steady push sums the
