@@ -46,10 +46,16 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the whole tree; mypy over the core package."""
+    """ruff over the whole tree; mypy over the core, each first-party plugin and the example plugin
+    (their engine libraries are not installed here: imports of them are unchecked)."""
     session.install("ruff", "mypy", "pydantic>=2.6,<3", "pluggy>=1.3", "rich>=13", "pytest>=8")
     session.run("ruff", "check", ".")
     session.run("mypy", "core/rollout_engines", "--ignore-missing-imports")
+    session.run(
+        "mypy", "plugins/remote/rollout_engines_remote", "plugins/vllm/rollout_engines_vllm",
+        "plugins/sglang/rollout_engines_sglang", "examples/third_party_plugin/roe_hfgenerate",
+        "--ignore-missing-imports",
+    )
 
 
 @nox.session

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import rollout_engines as roe
-from rollout_engines.plugins import ENTRY_POINT_GROUP, Registry, reset_registry
+from rollout_engines.plugins import ENTRY_POINT_GROUP, Registry, first_party_hint, reset_registry
 
 FIXTURES = Path(__file__).parent / "plugin_fixtures"
 
@@ -131,7 +131,7 @@ def test_first_party_backend_not_installed_gives_pip_line(plugin_env) -> None:
         roe.create_engine("sglang", model="unused")
     message = str(info.value)
     assert message.startswith("backend 'sglang' is not installed. Install it with: ")
-    assert 'pip install "rollout-engines[sglang]"' in message
+    assert first_party_hint("sglang") in message
 
 
 def test_plugin_installed_but_library_missing(plugin_env) -> None:

@@ -14,6 +14,7 @@ import torch
 from rollout_engines import Capabilities, Completion, Engine, EngineConfig, GenerateRequest
 from rollout_engines.errors import InvalidRequest
 from rollout_engines.tokenization import chat_token_ids
+from rollout_engines.types import FinishReason
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 from rollout_engines.weights.receiver import StateDictTarget, WeightReceiver
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -91,8 +92,8 @@ class HFGenerateEngine(Engine):
 
     def _completion(self, i: int, j: int, prompt: list[int], tokens: list[int], logprobs: list[float] | None,
                     stop: Sequence[str], stop_ids: set[int], max_tokens: int, version: int) -> Completion:
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        finish = "length"
+        text = str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        finish: FinishReason = "length"
         if tokens and tokens[-1] in stop_ids:
             finish = "stop"
         hits = [text.find(st) for st in stop if st in text]

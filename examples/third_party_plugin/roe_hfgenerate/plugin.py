@@ -1,10 +1,12 @@
 """Registration only: cheap, imports no torch (the engine module is imported on first use)."""
 
+from collections.abc import Callable
+
 from rollout_engines import BackendSpec, hookimpl
 
 
 @hookimpl
-def register_backends(register):
+def register_backends(register: Callable[[BackendSpec], None]) -> None:
     register(
         BackendSpec(
             name="hfgenerate",

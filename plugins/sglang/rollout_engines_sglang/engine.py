@@ -38,7 +38,7 @@ import asyncio
 import importlib.util
 import logging
 import os
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -159,7 +159,7 @@ class SglangEngine(Engine):
         self.options = SglangOptions.model_validate(config.options)
         self.capabilities = capabilities_for(self.options)
         self._failed: str | None = None
-        self._unguard = None
+        self._unguard: Callable[[], None] | None = None
         self._expected: dict[str, TensorSpec] | None = None
         self._transfer: _Transfer | None = None
         # Requests submitted, and their count at the last prefix-cache flush: a push with nothing

@@ -7,6 +7,7 @@ is created, and the capabilities listed here are the defaults of :class:`SglangE
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from rollout_engines import BackendSpec, TransportEntry, hookimpl
 from rollout_engines.plugins import first_party_hint
@@ -21,7 +22,7 @@ INSTALL_HINT = first_party_hint("sglang")
 #: handed to SGLang as flattened CUDA IPC buckets (update_weights_from_tensor).
 TRANSPORTS = ("sglang_nccl", "cuda_ipc", "disk", "nccl", "gloo", "shm", "inproc")
 
-DEFAULT_CAPABILITIES = {
+DEFAULT_CAPABILITIES: dict[str, Any] = {
     "chat": True,
     "logprobs": True,
     "n": True,

@@ -10,6 +10,7 @@ import sys
 import pytest
 from rollout_engines import create_engine, get_registry
 from rollout_engines.errors import BackendNotInstalled
+from rollout_engines.plugins import first_party_hint
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")
 
@@ -32,7 +33,7 @@ def test_capabilities_and_transport_are_listed() -> None:
     registry = get_registry()
     spec = {r.name: r for r in registry.records()}["sglang"].spec
     assert spec.requires == ("sglang",)
-    assert spec.install_hint == 'pip install "rollout-engines[sglang]"'
+    assert spec.install_hint == first_party_hint("sglang")
     assert spec.capabilities["sleep_tags"] == ["weights", "kv_cache"]
     entry = registry.transport("sglang_nccl")
     assert entry.sender == "rollout_engines_sglang.transport:SglangNcclSender"
@@ -41,7 +42,7 @@ def test_capabilities_and_transport_are_listed() -> None:
 def test_create_engine_without_sglang_names_the_pip_line(tiny_model) -> None:
     with pytest.raises(BackendNotInstalled) as info:
         create_engine("sglang", model=str(tiny_model))
-    assert 'pip install "rollout-engines[sglang]"' in str(info.value)
+    assert first_party_hint("sglang") in str(info.value)
     assert "sglang" in str(info.value)
 
 

@@ -49,7 +49,7 @@ def run_generate_benchmark(engine_cls: Any, args: Any) -> dict[str, Any]:
             start = time.perf_counter()
 
             async def one(i: int) -> int:
-                final = None
+                final: Any = None
                 async for out in llm.generate({"prompt_token_ids": prompts[i]}, vparams, f"direct-{time.time_ns()}-{i}"):
                     final = out
                 return sum(len(o.token_ids) for o in final.outputs)

@@ -40,7 +40,14 @@ from rollout_engines.errors import (
     InvalidRequest,
     WeightsInvalidated,
 )
-from rollout_engines.types import Completion, EngineConfig, GenerateRequest, PauseMode, SamplingParams
+from rollout_engines.types import (
+    Completion,
+    EngineConfig,
+    FinishReason,
+    GenerateRequest,
+    PauseMode,
+    SamplingParams,
+)
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest, manifest_to_wire
 
 from .plugin import CPU_TRANSPORTS, CUDA_TRANSPORTS, INSTALL_HINT
@@ -417,7 +424,7 @@ class VllmEngine(Engine):
             logprobs = None
             if s.logprobs is not None and sample.logprobs is not None:
                 logprobs = [float(step[tok].logprob) for tok, step in zip(ids, sample.logprobs, strict=False)]
-            reason = sample.finish_reason if sample.finish_reason in ("stop", "length") else "abort"
+            reason: FinishReason = sample.finish_reason if sample.finish_reason in ("stop", "length") else "abort"
             result.append(
                 Completion(
                     prompt_index=index, sample_index=sample.index, prompt_token_ids=prompt_ids, token_ids=ids,

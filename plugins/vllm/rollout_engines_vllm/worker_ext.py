@@ -141,6 +141,9 @@ class _RejectAll:
 class WorkerExtension:
     """Methods vLLM adds to each of its workers (called via ``collective_rpc``)."""
 
+    #: Set by the vLLM worker this class is mixed into.
+    model_runner: Any
+
     def roe_worker_info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": int(getattr(self, "rank", 0)), "device": str(getattr(self, "device", "cpu"))}
 
