@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .engine import BlockingEngine, Capabilities, Engine
+from .engine import BlockingEngine, Capabilities, Engine, EngineProtocol
 from .errors import (
     BackendLoadError,
     BackendNotInstalled,
@@ -59,7 +59,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BackendLoadError", "BackendNotInstalled", "BackendSpec", "BlockingEngine", "Capabilities",
-    "CapabilityError", "ChatMessage", "Completion", "DuplicateBackend", "Engine", "EngineAsleep",
+    "CapabilityError", "ChatMessage", "Completion", "DuplicateBackend", "Engine", "EngineAsleep", "EngineProtocol",
     "EngineClosed", "EngineConfig", "EngineGroup", "EngineInfo", "EngineUnavailable", "ExpectedSpec",
     "GenerateRequest", "InvalidRequest", "ManifestMismatch", "RolloutEnginesError", "SamplingParams",
     "StaleVersion", "StateDictTarget", "TensorSpec", "TransportEntry", "TransportSpec", "UnknownBackend",

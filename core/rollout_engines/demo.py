@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any
 
-from .engine import Engine
+from .engine import EngineProtocol
 from .types import GenerateRequest, SamplingParams
 
 logger = logging.getLogger("rollout_engines.demo")
@@ -32,7 +32,7 @@ def demo_request(max_tokens: int = 32) -> GenerateRequest:
 PREFERRED_TRANSPORTS = ("inproc", "shm", "cuda_ipc", "gloo", "nccl", "http", "disk")
 
 
-def pick_transport(engine: Engine) -> str:
+def pick_transport(engine: EngineProtocol) -> str:
     """The cheapest transport the engine declares (in-process first, disk last)."""
     declared = engine.capabilities.transports
     for name in PREFERRED_TRANSPORTS:
@@ -43,7 +43,7 @@ def pick_transport(engine: Engine) -> str:
     raise ValueError(f"backend '{engine.backend_name}' declares no weight transport")
 
 
-async def run_demo(engine: Engine, *, transport: str | None = None, max_tokens: int = 32, say: Any = None) -> dict[str, Any]:
+async def run_demo(engine: EngineProtocol, *, transport: str | None = None, max_tokens: int = 32, say: Any = None) -> dict[str, Any]:
     """Run the demo on a started engine; returns the summary (see ``rollout-engines demo --json``).
     ``transport`` None picks the cheapest one the engine declares."""
     from .weights.checkpoint import load_checkpoint, perturbed

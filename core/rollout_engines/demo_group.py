@@ -15,14 +15,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .engine import Engine
+from .engine import EngineProtocol
 from .types import GenerateRequest, SamplingParams
 
 logger = logging.getLogger("rollout_engines.demo")
 
 
 async def measure_throughput(
-    engine: Engine, prompts: list[str], *, rounds: int = 4, max_tokens: int = 32, concurrency: int | None = None
+    engine: EngineProtocol, prompts: list[str], *, rounds: int = 4, max_tokens: int = 32, concurrency: int | None = None
 ) -> tuple[float, int, float]:
     """Send every prompt ``rounds`` times as its own greedy request (``concurrency`` at a time;
     default all at once); returns (generated tokens per second, tokens, seconds)."""
@@ -42,7 +42,7 @@ async def measure_throughput(
 
 async def start_engines(
     backend: str, model: str, n: int, *, use_ray: bool, ray_cpus_per_engine: float = 1.0, **engine_kwargs: Any
-) -> list[Engine]:
+) -> list[EngineProtocol]:
     """Start ``n`` engines in this process, or as Ray actors (concurrently; Ray started if needed)."""
     if use_ray:
         import ray
@@ -55,7 +55,7 @@ async def start_engines(
     from .factory import acreate_engine
 
     # One at a time: loading transformers models from several threads at once is not safe.
-    started: list[Engine] = []
+    started: list[EngineProtocol] = []
     try:
         for _ in range(n):
             started.append(await acreate_engine(backend, model, **engine_kwargs))

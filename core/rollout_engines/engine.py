@@ -1,15 +1,21 @@
-"""The engine protocol every backend implements, and the capabilities it declares.
+"""The engine interface, the rules every backend shares, and the capabilities it declares.
 
-A backend subclasses :class:`Engine` and fills in the ``_``-prefixed hooks. The public methods
-here hold the rules that must not differ between backends: closed/asleep/invalid-weights checks,
-capability checks with a clear :class:`CapabilityError`, pause/resume, version tagging, the
-outstanding-request count and the lifecycle hooks for plugins.
+Two layers (a third, hosts, is :mod:`rollout_engines.proxy`):
+
+- :class:`EngineProtocol`: the interface, an ABC of the public async methods and the few
+  attributes a caller reads. Callers, proxies and type checkers depend on it.
+- :class:`Engine`: the shared rules. A backend subclasses it and fills in the ``_``-prefixed hooks;
+  its public methods hold what must not differ between backends: closed/asleep/invalid-weights
+  checks, capability checks with a clear :class:`CapabilityError`, pause/resume, version tagging,
+  prefix-cache resets after wake-up and updates, the outstanding-request count and the lifecycle
+  hooks for plugins.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import inspect
 import logging
 import threading
 import time
@@ -78,17 +84,106 @@ def require(capabilities: Capabilities, flag: str, backend: str, what: str) -> N
         raise CapabilityError(f"backend '{backend}' cannot {what} (capability '{flag}' is not declared)")
 
 
-class Engine(abc.ABC):
-    """Base class of every backend. Async first; see :class:`BlockingEngine` for scripts."""
+class EngineProtocol(abc.ABC):
+    """What a caller may do with an engine, wherever it runs (the interface, no rules).
+
+    Implemented by :class:`Engine` (backends, groups) and by
+    :class:`~rollout_engines.proxy.ProxyEngine` (an engine in another process, actor or server,
+    whose own :class:`Engine` applies the rules). :meth:`methods` lists the public async methods;
+    a test checks that every proxy forwards each of them.
+    """
 
     backend_name: ClassVar[str] = "?"
     capabilities: Capabilities = Capabilities()
+    config: EngineConfig
+    weight_version: int
+
+    @classmethod
+    def methods(cls) -> tuple[str, ...]:
+        """The protocol's public async methods, in declaration order."""
+        return tuple(name for name, value in vars(EngineProtocol).items()
+                     if inspect.isfunction(value) and getattr(value, "__isabstractmethod__", False))
+
+    @abc.abstractmethod
+    async def generate(self, request: GenerateRequest) -> list[Completion]: ...
+
+    @abc.abstractmethod
+    def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]: ...
+
+    @abc.abstractmethod
+    async def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    @abc.abstractmethod
+    async def abort_all(self) -> None: ...
+
+    @abc.abstractmethod
+    async def chat(self, request: GenerateRequest) -> list[Completion]: ...
+
+    @abc.abstractmethod
+    async def sleep(self, level: int = 1, tags: Sequence[str] | None = None) -> None: ...
+
+    @abc.abstractmethod
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None: ...
+
+    @abc.abstractmethod
+    async def reset_prefix_cache(self) -> None: ...
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode = "wait") -> None: ...
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def init_weight_transfer(self, spec: TransportSpec) -> None: ...
+
+    @abc.abstractmethod
+    async def receive_weights(self, manifest: WeightManifest) -> int: ...
+
+    @abc.abstractmethod
+    async def close_weight_transfer(self) -> None: ...
+
+    @abc.abstractmethod
+    async def info(self) -> EngineInfo: ...
+
+    @abc.abstractmethod
+    async def health(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    # ---- plain attributes every engine has -----------------------------------------------------
+    @property
+    def model(self) -> str:
+        return self.config.model
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool: ...
+
+    def weight_receivers(self) -> int:
+        """How many ranks this engine occupies in a broadcast group (one per worker)."""
+        return max(1, self.config.tensor_parallel_size) if self.capabilities.multi_process else 1
+
+    def pause_modes(self) -> tuple[PauseMode, ...]:
+        caps = self.capabilities
+        plain: tuple[PauseMode, ...] = ("wait",) if caps.pause else ()
+        return tuple(dict.fromkeys(plain + caps.pause_modes))
+
+    async def __aenter__(self) -> EngineProtocol:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class Engine(EngineProtocol):
+    """Base class of every backend. Async first; see :class:`BlockingEngine` for scripts."""
+
     #: Drop cached prefixes after waking (stale KV after wake gives garbage, vllm#17103). Engines
-    #: made of engines (EngineGroup) leave it to their members.
+    #: made of engines (EngineGroup) leave it to their members. Engines in another process are
+    #: reached through a proxy, whose far engine applies this rule itself: there is no second flag.
     reset_prefix_cache_on_wake: ClassVar[bool] = True
-    #: The backend's own ``_wake_up``/``_receive_weights`` already reset the prefix cache by the
-    #: rules above (an engine in another process that runs this core): not asked twice.
-    resets_cache_itself: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -150,9 +245,6 @@ class Engine(abc.ABC):
     async def _close(self) -> None:
         return None
 
-    def weight_receivers(self) -> int:
-        """How many ranks this engine occupies in a broadcast group (one per worker)."""
-        return max(1, self.config.tensor_parallel_size) if self.capabilities.multi_process else 1
 
     def _extra_info(self) -> dict[str, Any]:
         return {}
@@ -178,10 +270,6 @@ class Engine(abc.ABC):
                                   "stuck": self._receive_stuck()}}
 
     # ---- public API ----------------------------------------------------------------------------
-    @property
-    def model(self) -> str:
-        return self.config.model
-
     def _check_usable(self) -> None:
         if self._closed:
             raise EngineClosed(f"engine '{self.backend_name}' is closed; create a new one")
@@ -307,17 +395,12 @@ class Engine(abc.ABC):
         if todo:
             await self._wake_up(todo)
             self._asleep.difference_update(todo)
-            if self.reset_prefix_cache_on_wake and not self.resets_cache_itself:
+            if self.reset_prefix_cache_on_wake:
                 await self._reset_prefix_cache()
 
     async def reset_prefix_cache(self) -> None:
         self._check_not_closed()
         await self._reset_prefix_cache()
-
-    def pause_modes(self) -> tuple[PauseMode, ...]:
-        caps = self.capabilities
-        plain: tuple[PauseMode, ...] = ("wait",) if caps.pause else ()
-        return tuple(dict.fromkeys(plain + caps.pause_modes))
 
     async def pause(self, mode: PauseMode = "wait") -> None:
         """Hold new generation until :meth:`resume`. In-flight requests: ``wait`` lets them finish
@@ -399,8 +482,7 @@ class Engine(abc.ABC):
             )
         self.weight_version = manifest.version
         self._weights_invalid = None
-        if not self.resets_cache_itself:
-            await self._reset_prefix_cache()
+        await self._reset_prefix_cache()
         return self.weight_version
 
     async def close_weight_transfer(self) -> None:
@@ -440,12 +522,6 @@ class Engine(abc.ABC):
     def closed(self) -> bool:
         return self._closed
 
-    async def __aenter__(self) -> Engine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
     # ---- helpers -------------------------------------------------------------------------------
     def _check_not_closed(self) -> None:
         if self._closed:
@@ -464,7 +540,7 @@ class BlockingEngine:
     Runs its own event loop in a background thread, so it works inside Jupyter as well.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineProtocol) -> None:
         self.engine = engine
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="roe-blocking", daemon=True)

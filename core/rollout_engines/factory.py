@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from .engine import Engine
+from .engine import EngineProtocol
 from .plugins import get_registry
 from .types import EngineConfig
 
 
-def create_engine(backend: str | EngineConfig = "transformers", model: str | None = None, **kwargs: Any) -> Engine:
+def create_engine(backend: str | EngineConfig = "transformers", model: str | None = None, **kwargs: Any) -> EngineProtocol:
     """Start an engine of ``backend`` on ``model``.
 
     Unknown keyword arguments that are not :class:`EngineConfig` fields go to ``options`` (the
@@ -35,6 +35,6 @@ def create_engine(backend: str | EngineConfig = "transformers", model: str | Non
     return engine
 
 
-async def acreate_engine(backend: str | EngineConfig = "transformers", model: str | None = None, **kwargs: Any) -> Engine:
+async def acreate_engine(backend: str | EngineConfig = "transformers", model: str | None = None, **kwargs: Any) -> EngineProtocol:
     """:func:`create_engine` in a worker thread, so model loading does not block the event loop."""
     return await asyncio.to_thread(create_engine, backend, model, **kwargs)

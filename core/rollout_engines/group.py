@@ -17,7 +17,16 @@ What the group does:
   member only while that member cannot serve. Requests without a session id use least-outstanding.
 - **Backpressure**: at most ``max_outstanding_per_engine`` requests (batches) in flight per member;
   further requests wait for a slot, and raise :class:`EngineUnavailable` after ``wait_timeout_s``.
-- **Fan-out** of sleep / wake_up / reset_prefix_cache / pause / resume to every member.
+- **Fan-out** of sleep / wake_up / reset_prefix_cache / pause / resume / abort_all to every member;
+  the group's ``pause_modes`` are those every member has.
+- **Async RL**: the group records which member runs each request id when it routes a request, so
+  ``abort(ids)`` goes to the member that owns each id (ids of finished requests are forgotten;
+  unknown ids are ignored; an id still waiting in the group for a slot is aborted as soon as its
+  request reaches a member). ``stream`` is routed like ``generate`` and stays on one member (a
+  member that fails before the first delta is retried elsewhere; after it, the stream raises). A
+  request with ``continue_from`` goes back to the member that produced the earlier completion (the
+  group remembers the last ``remembered_completions`` request ids it answered) while that member
+  serves, else it is routed like any other.
 - **Weight sync**: :meth:`weight_receivers` is the sum over members; :meth:`init_weight_transfer`
   gives member *i* the rank offset ``spec.rank_offset + receivers of members 0..i-1``;
   :meth:`receive_weights` fans the manifest out to the members of the session.
@@ -52,14 +61,15 @@ healthy member, and members that missed a push rejoin as described above.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import zlib
-from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .engine import Capabilities, Engine
+from .engine import Capabilities, Engine, EngineProtocol
 from .errors import (
     CapabilityError,
     EngineAsleep,
@@ -67,7 +77,7 @@ from .errors import (
     EngineUnavailable,
     WeightSyncError,
 )
-from .types import Completion, EngineConfig, GenerateRequest, PauseMode
+from .types import Completion, EngineConfig, GenerateRequest, PauseMode, StreamDelta
 from .weights.manifest import TransportSpec, WeightManifest
 
 if TYPE_CHECKING:
@@ -89,7 +99,7 @@ ENGINE_FAILURES: tuple[type[BaseException], ...] = (
 )
 
 NamedTensors = Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]
-RejoinCallback = Callable[[Engine, int], Awaitable[None]]
+RejoinCallback = Callable[[EngineProtocol, int], Awaitable[None]]
 WeightSource = str | Path | Callable[[int], NamedTensors | Awaitable[NamedTensors]]
 
 
@@ -101,7 +111,7 @@ class _Member:
         "serving", "in_session", "inflight", "waiters", "rejoining", "last_error", "warned_stale",
     )
 
-    def __init__(self, engine: Engine, index: int) -> None:
+    def __init__(self, engine: EngineProtocol, index: int) -> None:
         self.engine = engine
         self.index = index
         self.receivers = engine.weight_receivers()
@@ -148,10 +158,12 @@ class EngineGroup(Engine):
 
     backend_name = "group"
     reset_prefix_cache_on_wake = False  # members reset their own caches when they wake
+    #: How many answered request ids the group remembers (id -> member), for ``continue_from``.
+    remembered_completions = 65_536
 
     def __init__(
         self,
-        engines: Sequence[Engine],
+        engines: Sequence[EngineProtocol],
         *,
         routing: Routing = "least_outstanding",
         max_outstanding_per_engine: int | None = 128,
@@ -219,10 +231,15 @@ class EngineGroup(Engine):
         self._last_transport: str | None = None
         self._sleep_state: tuple[int, list[str]] | None = None
         self.retried = 0
+        # request id -> the member running it (None: waiting in the group for a slot)
+        self._owners: dict[str, _Member | None] = {}
+        self._abort_on_arrival: set[str] = set()  # aborted while waiting in the group
+        # request id of an answered completion -> index of the member that produced it
+        self._produced: OrderedDict[str, int] = OrderedDict()
 
     # ---- membership ----------------------------------------------------------------------------
     @property
-    def engines(self) -> list[Engine]:
+    def engines(self) -> list[EngineProtocol]:
         return [m.engine for m in self._members]
 
     def __len__(self) -> int:
@@ -232,7 +249,7 @@ class EngineGroup(Engine):
         """Per member: health, whether it serves, weight version, in-flight and completed counts."""
         return [m.describe() for m in self._members]
 
-    async def add_engine(self, engine: Engine) -> int:
+    async def add_engine(self, engine: EngineProtocol) -> int:
         """Add a member (e.g. a replacement). It takes traffic once healthy and at the group's
         weight version (brought there as described under *Rejoin*). Returns its index."""
         self._check_not_closed()
@@ -249,7 +266,7 @@ class EngineGroup(Engine):
         await self._probe(member)
         return member.index
 
-    async def replace_engine(self, index: int, engine: Engine) -> None:
+    async def replace_engine(self, index: int, engine: EngineProtocol) -> None:
         """Put ``engine`` in member ``index``'s place (e.g. for an actor Ray will not restart any
         more): the old engine's requests are retried on the others and it is closed; the new one
         keeps the index, so sticky sessions map to it, and takes traffic once at the group's
@@ -272,8 +289,15 @@ class EngineGroup(Engine):
         await self._probe(member)
 
     # ---- routing (hot path: keep it lean) --------------------------------------------------------
-    def _pick(self, request: GenerateRequest) -> tuple[_Member | None, deque[asyncio.Future[None]]]:
-        """The member to send ``request`` to now, or None and the queue to wait in."""
+    def _pick(
+        self, request: GenerateRequest, prefer: _Member | None = None
+    ) -> tuple[_Member | None, deque[asyncio.Future[None]]]:
+        """The member to send ``request`` to now, or None and the queue to wait in. ``prefer``
+        (the producer of a continued completion) takes it while it serves."""
+        if prefer is not None and prefer.serving:
+            if self.max_outstanding is None or prefer.outstanding < self.max_outstanding:
+                return prefer, prefer.waiters
+            return None, prefer.waiters
         members = self._members
         n = len(members)
         if self.routing == "sticky" and request.session_id is not None:
@@ -301,11 +325,11 @@ class EngineGroup(Engine):
                 best = m
         return best, self._waiters
 
-    async def _wait(self, request: GenerateRequest, deadline: float | None) -> _Member:
+    async def _wait(self, request: GenerateRequest, deadline: float | None, prefer: _Member | None = None) -> _Member:
         """Queue, in arrival order, for a slot (or for a member to come back). A request woken but
         beaten to the slot goes back to the front of its queue."""
         loop = asyncio.get_running_loop()
-        _, queue = self._pick(request)
+        _, queue = self._pick(request, prefer)
         front = False
         while True:
             if self._closed:
@@ -341,7 +365,7 @@ class EngineGroup(Engine):
                         pass
                 elif not woken and not fut.cancelled():
                     self._wake_one(queue)  # woken, then cancelled: hand the wake-up on
-            member, queue = self._pick(request)
+            member, queue = self._pick(request, prefer)
             if member is not None:
                 return member
             front = True
@@ -579,7 +603,7 @@ class EngineGroup(Engine):
 
     # ---- fan-out -------------------------------------------------------------------------------
     async def _fan_out(
-        self, call: Callable[[Engine], Awaitable[Any]], what: str, members: Sequence[_Member] | None = None
+        self, call: Callable[[EngineProtocol], Awaitable[Any]], what: str, members: Sequence[_Member] | None = None
     ) -> list[Any]:
         """Call every (healthy) member; client errors are raised, engine failures mark it down."""
         self._ensure_started()
@@ -726,7 +750,7 @@ class EngineGroup(Engine):
         self._background.clear()
         self._wake_all()
 
-    async def detach(self) -> list[Engine]:
+    async def detach(self) -> list[EngineProtocol]:
         """Stop using the members without closing them (health checks stop; the group is closed
         afterwards); returns them, e.g. to build another group over the same engines."""
         self._closed = True

@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import ray
 from ray.exceptions import ObjectLostError, RayActorError, RayError, RaySystemError, RayTaskError
 from ray.util.placement_group import PlacementGroup
 
-from ..engine import Capabilities, Engine
 from ..envs import RAY_NOSET, RayBundle
-from ..errors import EngineClosed, EngineUnavailable
+from ..errors import EngineUnavailable
 from ..group import EngineGroup
-from ..types import Completion, EngineConfig, EngineInfo, GenerateRequest, PauseMode
-from ..weights.manifest import TransportSpec, WeightManifest
+from ..proxy import Channel, ProxyEngine, WireError, bounded
+from ..types import EngineConfig, EngineInfo
 from .actor import EngineActor
 from .placement import bundle_scheduling
 
@@ -62,105 +60,69 @@ def _translate(exc: RayError, label: str) -> BaseException:
     return exc
 
 
-class RayEngine(Engine):
+class RayChannel(Channel):
+    """Calls :meth:`EngineActor.call` on the actor; Ray's own failures become :class:`EngineUnavailable`."""
+
+    def __init__(self, actor: Any, label: str, *, kill_on_close: bool = True) -> None:
+        self.actor = actor
+        self.label = label
+        self.kill_on_close = kill_on_close
+
+    async def call(self, method: str, args: dict[str, Any], timeout_s: float | None) -> Any:
+        try:
+            ok, out = await bounded(self.actor.call.remote(method, args), timeout_s, self.label, method)
+        except RayError as exc:
+            raise _translate(exc, self.label) from exc
+        if not ok:
+            raise WireError.model_validate(out).to_exception(self.label)
+        return out
+
+    async def aclose(self) -> None:
+        if self.kill_on_close:
+            ray.kill(self.actor, no_restart=True)
+
+
+class RayEngine(ProxyEngine):
     """Proxy to an :class:`EngineActor`. Build it with :func:`create_ray_engine`."""
 
     def __init__(self, actor: Any, config: EngineConfig, described: dict[str, Any], *, kill_on_close: bool = True) -> None:
-        super().__init__(config)
         self.actor = actor
         self.kill_on_close = kill_on_close
-        self.health_timeout_s = 30.0
-        self._apply(described)
+        self._apply_actor(described)
+        label = f"ray engine '{described['backend']}' (pid {self.pid})"
+        super().__init__(RayChannel(actor, label, kill_on_close=kill_on_close), config, described,
+                         call_timeout_s=None)
 
-    def _apply(self, d: dict[str, Any]) -> None:
-        self.backend_name = d["backend"]  # type: ignore[misc]  # the hosted backend's name
-        self.capabilities = Capabilities(**d["capabilities"])
-        self._receivers = int(d["weight_receivers"])
-        self.weight_version = int(d["weight_version"])
+    def _apply_actor(self, d: dict[str, Any]) -> None:
         self.incarnation: str = d["incarnation"]
         self.node_id: str = d["node_id"]
         self.pid: int = d["pid"]
         self.env: dict[str, str | None] = d["env"]
+        if hasattr(self, "channel"):
+            self.channel.label = self.label
 
     @property
     def label(self) -> str:
         return f"ray engine '{self.backend_name}' (pid {self.pid})"
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        if self._closed:
-            raise EngineClosed(f"{self.label} is closed; create a new one")
-        try:
-            return await getattr(self.actor, method).remote(*args)
-        except RayError as exc:
-            raise _translate(exc, self.label) from exc
-
     async def refresh(self) -> dict[str, Any]:
         """Ask the actor again what it hosts (after a restart: new pid and incarnation)."""
-        described = await self._call("describe")
+        try:
+            described: dict[str, Any] = await self.actor.describe.remote()
+        except RayError as exc:
+            raise _translate(exc, self.label) from exc
         self._apply(described)
+        self._apply_actor(described)
         return described
 
-    def weight_receivers(self) -> int:
-        return self._receivers
-
-    # ---- the engine API, forwarded ---------------------------------------------------------------
-    async def _generate(self, request: GenerateRequest) -> list[Completion]:
-        return await self._call("generate", request)
-
-    async def generate(self, request: GenerateRequest) -> list[Completion]:
-        # the actor's engine enforces asleep/paused/capabilities; checking here too would use stale state
-        return await self._call("generate", request)
-
-    async def sleep(self, level: int = 1, tags: Sequence[str] | None = None) -> None:
-        await self._call("sleep", level, list(tags) if tags is not None else None)
-
-    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        await self._call("wake_up", list(tags) if tags is not None else None)
-
-    async def reset_prefix_cache(self) -> None:
-        await self._call("reset_prefix_cache")
-
-    async def pause(self, mode: PauseMode = "wait") -> None:
-        await self._call("pause", mode)
-
-    async def resume(self) -> None:
-        await self._call("resume")
-
-    async def init_weight_transfer(self, spec: TransportSpec) -> None:
-        await self._call("init_weight_transfer", spec)
-
-    async def receive_weights(self, manifest: WeightManifest) -> int:
-        self.weight_version = int(await self._call("receive_weights", manifest))
-        return self.weight_version
-
-    async def close_weight_transfer(self) -> None:
-        await self._call("close_weight_transfer")
-
     async def info(self) -> EngineInfo:
-        info: EngineInfo = await self._call("info")
-        self.weight_version = info.weight_version
+        info = await super().info()
         incarnation = info.extra.get("incarnation")
         if incarnation and incarnation != self.incarnation:
             logger.info("%s was restarted (incarnation %s -> %s)", self.label, self.incarnation, incarnation)
             self.incarnation, self.pid = incarnation, info.extra.get("pid", self.pid)
+            self.channel.label = self.label
         return info
-
-    async def health(self) -> bool:
-        """False when the actor is dead, restarting or does not answer within ``health_timeout_s``."""
-        if self._closed:
-            return False
-        try:
-            return bool(await asyncio.wait_for(self._call("health"), self.health_timeout_s))
-        except (EngineUnavailable, asyncio.TimeoutError):
-            return False
-
-    async def _close(self) -> None:
-        try:
-            await asyncio.wait_for(self.actor.close.remote(), 60)
-        except (RayError, asyncio.TimeoutError) as exc:
-            logger.debug("%s: close failed (%r); killing the actor", self.label, exc)
-        if self.kill_on_close:
-            ray.kill(self.actor, no_restart=True)
 
 
 def _config_of(backend: str | EngineConfig, model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
@@ -187,8 +149,12 @@ def launch_engine_actor(
     max_concurrency: int = 1000,
     runtime_env: dict[str, Any] | None = None,
     actor_options: dict[str, Any] | None = None,
+    factory: str | None = None,
 ) -> Any:
-    """Start the actor (returns its handle at once; the model loads in the background)."""
+    """Start the actor (returns its handle at once; the model loads in the background).
+
+    ``factory``: optional ``"pkg.module:callable"`` that builds the engine from its config inside
+    the actor (default :func:`rollout_engines.create_engine`)."""
     options: dict[str, Any] = {
         "num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": max_restarts,
         "max_task_retries": max_task_retries, "max_concurrency": max_concurrency,
@@ -206,7 +172,7 @@ def launch_engine_actor(
     if env:
         options["runtime_env"] = env
     options.update(actor_options or {})
-    return _remote_class().options(**options).remote(config, bundle_dict)
+    return _remote_class().options(**options).remote(config, bundle_dict, factory)
 
 
 async def _describe(actor: Any, config: EngineConfig, timeout_s: float | None) -> dict[str, Any]:
@@ -239,7 +205,7 @@ async def acreate_ray_engines(
     :func:`create_ray_engine`.
     """
     launch_keys = {"num_cpus", "num_gpus", "ray_bundle", "max_restarts", "max_task_retries",
-                   "max_concurrency", "runtime_env", "actor_options", "bundle_index"}
+                   "max_concurrency", "runtime_env", "actor_options", "bundle_index", "factory"}
     launch = {k: kwargs.pop(k) for k in list(kwargs) if k in launch_keys}
     first_bundle = launch.pop("bundle_index", 0)
     config = _config_of(backend, model, kwargs)

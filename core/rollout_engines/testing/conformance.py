@@ -46,7 +46,7 @@ from typing import Any, ClassVar, TypeVar
 
 import pytest
 
-from ..engine import Engine
+from ..engine import EngineProtocol
 from ..errors import (
     CapabilityError,
     EngineAsleep,
@@ -64,14 +64,16 @@ T = TypeVar("T")
 PREFERRED_TRANSPORTS = ("inproc", "shm", "gloo", "disk", "http")
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time there was a"]
 CALL_TIMEOUT_S = float(os.environ.get("ROLLOUT_ENGINES_CONFORMANCE_TIMEOUT", "300"))
+#: How long an aborted request may take to come back ("promptly").
+ABORT_PATIENCE_S = 5.0
 
 
 class EngineSlot:
     """Holds the class's engine and a private event loop that drives it from sync tests."""
 
-    def __init__(self, factory: Callable[[], Engine | Awaitable[Engine]]) -> None:
+    def __init__(self, factory: Callable[[], EngineProtocol | Awaitable[EngineProtocol]]) -> None:
         self._factory = factory
-        self._engine: Engine | None = None
+        self._engine: EngineProtocol | None = None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="roe-conformance", daemon=True)
         self._thread.start()
@@ -87,7 +89,7 @@ class EngineSlot:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> EngineProtocol:
         if self._engine is None or self._engine.closed:
             # Called on the test's (main) thread, so a backend can install what only the main thread
             # may (signal handlers); an async factory is awaited on the slot's loop.
@@ -99,7 +101,7 @@ class EngineSlot:
                     return await awaitable
 
                 made = self.run(create())
-            assert isinstance(made, Engine), f"make_engine returned {type(made).__name__}, not an Engine"
+            assert isinstance(made, EngineProtocol), f"make_engine returned {type(made).__name__}, not an engine"
             self._engine = made
         return self._engine
 
@@ -119,18 +121,18 @@ class EngineSlot:
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-def need(engine: Engine, flag: str, why: str = "") -> None:
+def need(engine: EngineProtocol, flag: str, why: str = "") -> None:
     """Skip unless the engine declares capability ``flag`` (truthy)."""
     if not getattr(engine.capabilities, flag):
         pytest.skip(f"backend '{engine.backend_name}' does not declare capability '{flag}'{why}")
 
 
-def seed_if_declared(engine: Engine, seed: int) -> int | None:
+def seed_if_declared(engine: EngineProtocol, seed: int) -> int | None:
     """``seed`` where the engine honours per-request seeds; None where it would refuse them."""
     return seed if engine.capabilities.seed else None
 
 
-def pick_transport(engine: Engine) -> str:
+def pick_transport(engine: EngineProtocol) -> str:
     for name in PREFERRED_TRANSPORTS:
         if name in engine.capabilities.transports:
             return name
@@ -192,7 +194,7 @@ class ConformanceBase:
     # Backends provide `engine_config` (class scope) or override `make_engine`.
     @pytest.fixture(scope="class")
     @classmethod
-    def make_engine(cls, request: pytest.FixtureRequest) -> Callable[[], Engine]:
+    def make_engine(cls, request: pytest.FixtureRequest) -> Callable[[], EngineProtocol]:
         try:
             config: EngineConfig = request.getfixturevalue("engine_config")
         except pytest.FixtureLookupError:
@@ -201,7 +203,7 @@ class ConformanceBase:
                 "fixture 'engine_config' (an EngineConfig) or 'make_engine' (a callable returning an Engine)"
             ) from None
 
-        def make() -> Engine:
+        def make() -> EngineProtocol:
             from ..factory import create_engine
 
             return create_engine(config)
@@ -210,13 +212,13 @@ class ConformanceBase:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def slot(cls, make_engine: Callable[[], Engine]) -> Any:
+    def slot(cls, make_engine: Callable[[], EngineProtocol]) -> Any:
         s = EngineSlot(make_engine)
         yield s
         s.close()
 
     @pytest.fixture
-    def engine(self, slot: EngineSlot) -> Engine:
+    def engine(self, slot: EngineSlot) -> EngineProtocol:
         return slot.engine
 
     @pytest.fixture(scope="class")
@@ -278,7 +280,7 @@ class ConformanceBase:
 
 # ---- generation semantics ---------------------------------------------------------------------
 class GenerationTests(ConformanceBase):
-    def test_token_ids_in_completions_out(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]]) -> None:
+    def test_token_ids_in_completions_out(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
         outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(5))))
         assert [c.prompt_index for c in outs] == list(range(len(prompt_ids)))
         assert all(c.sample_index == 0 for c in outs)
@@ -289,20 +291,20 @@ class GenerationTests(ConformanceBase):
             assert c.logprobs is None
             assert c.weight_version == engine.weight_version
 
-    def test_text_prompts_match_token_prompts(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]]) -> None:
+    def test_text_prompts_match_token_prompts(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
         by_text = slot.run(engine.generate(GenerateRequest(prompts=PROMPTS, sampling=greedy(6))))
         by_ids = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(6))))
         assert tokens_of(by_text) == tokens_of(by_ids)
         assert all(isinstance(c.text, str) for c in by_text)
 
-    def test_text_decodes_token_ids(self, slot: EngineSlot, engine: Engine, tokenizer: Any, prompt_ids: list[list[int]]) -> None:
+    def test_text_decodes_token_ids(self, slot: EngineSlot, engine: EngineProtocol, tokenizer: Any, prompt_ids: list[list[int]]) -> None:
         outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(12))))
         for c in outs:
             decoded = tokenizer.decode(c.token_ids, skip_special_tokens=True)
             assert _no_replacement(c.text) == _no_replacement(decoded)
 
     @pytest.mark.parametrize("max_tokens", [1, 7])
-    def test_max_tokens_respected(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], max_tokens: int) -> None:
+    def test_max_tokens_respected(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], max_tokens: int) -> None:
         fixed = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(max_tokens))))
         assert [len(c.token_ids) for c in fixed] == [max_tokens] * len(prompt_ids)
         free = slot.run(engine.generate(GenerateRequest(
@@ -313,7 +315,7 @@ class GenerationTests(ConformanceBase):
             if c.finish_reason == "length":
                 assert len(c.token_ids) == max_tokens
 
-    def test_batch_times_n_prompt_major(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]]) -> None:
+    def test_batch_times_n_prompt_major(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
         need(engine, "n")
         s = SamplingParams(temperature=1.0, max_tokens=6, n=3, ignore_eos=True)
         outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:2], sampling=s)))
@@ -323,13 +325,13 @@ class GenerationTests(ConformanceBase):
         for i in range(2):
             assert len({tuple(c.token_ids) for c in outs if c.prompt_index == i}) > 1
 
-    def test_greedy_is_deterministic(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
+    def test_greedy_is_deterministic(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
         again = self.greedy_tokens(slot, prompt_ids)
         assert again == reference
         alone = tokens_of(slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[1:2], sampling=greedy(8)))))
         assert alone == reference[1:2], "a prompt's greedy tokens must not depend on its batch"
 
-    def test_seeded_sampling_is_reproducible(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]]) -> None:
+    def test_seeded_sampling_is_reproducible(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
         need(engine, "seed")
 
         def run(seed: int) -> list[list[int]]:
@@ -340,14 +342,14 @@ class GenerationTests(ConformanceBase):
         assert first == second
         assert first != other
 
-    def test_sampling_params_shape_the_distribution(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
+    def test_sampling_params_shape_the_distribution(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
         # top_k=1 (or a tiny top_p, or min_p=1) leaves only the most likely token: greedy, whatever the temperature.
         for extra in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
             s = SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True, seed=seed_if_declared(engine, 7), **extra)
             outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=s)))
             assert tokens_of(outs) == reference, f"{extra} should reduce sampling to greedy"
 
-    def test_stop_string(self, slot: EngineSlot, engine: Engine, tokenizer: Any, prompt_ids: list[list[int]]) -> None:
+    def test_stop_string(self, slot: EngineSlot, engine: EngineProtocol, tokenizer: Any, prompt_ids: list[list[int]]) -> None:
         need(engine, "stop_strings")
         ref = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(16))))[0]
         text = ref.text
@@ -364,14 +366,14 @@ class GenerationTests(ConformanceBase):
         assert out.token_ids == ref.token_ids[: len(out.token_ids)]
         assert len(out.token_ids) < len(ref.token_ids)
 
-    def test_stop_token_ids(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
+    def test_stop_token_ids(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
         stop_id = reference[0][3]
         first = reference[0].index(stop_id)
         out = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(8, stop_token_ids=[stop_id]))))[0]
         assert out.finish_reason == "stop"
         assert out.token_ids == reference[0][: first + 1]
 
-    def test_logprobs_of_sampled_tokens(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]]) -> None:
+    def test_logprobs_of_sampled_tokens(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
         need(engine, "logprobs")
         s = SamplingParams(temperature=1.0, max_tokens=6, logprobs=1, seed=seed_if_declared(engine, 11))
         outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=s)))
@@ -386,7 +388,7 @@ class GenerationTests(ConformanceBase):
         plain = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(4))))
         assert all(c.logprobs is None for c in plain)
 
-    def test_chat(self, slot: EngineSlot, engine: Engine, tokenizer: Any) -> None:
+    def test_chat(self, slot: EngineSlot, engine: EngineProtocol, tokenizer: Any) -> None:
         need(engine, "chat")
         chats = [[ChatMessage(role="user", content="Say hello")],
                  [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Count to three")]]
@@ -400,7 +402,7 @@ class GenerationTests(ConformanceBase):
         direct = slot.run(engine.generate(GenerateRequest(prompt_token_ids=[first], sampling=greedy(6))))
         assert direct[0].token_ids == outs[0].token_ids
 
-    def test_bad_requests_raise_typed_errors(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
+    def test_bad_requests_raise_typed_errors(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
         from pydantic import ValidationError
 
         with pytest.raises(ValidationError, match="max_tokens"):
@@ -418,7 +420,7 @@ class GenerationTests(ConformanceBase):
             slot.run(engine.generate(GenerateRequest(prompt_token_ids=[too_long], sampling=greedy(2))))
         assert self.greedy_tokens(slot, prompt_ids) == reference, "a rejected request must not disturb the engine"
 
-    def test_info_and_health(self, slot: EngineSlot, engine: Engine) -> None:
+    def test_info_and_health(self, slot: EngineSlot, engine: EngineProtocol) -> None:
         info = slot.run(engine.info())
         assert info.backend == engine.backend_name
         assert info.model == engine.config.model
@@ -430,13 +432,13 @@ class GenerationTests(ConformanceBase):
 
 # ---- sleep / wake -----------------------------------------------------------------------------
 class SleepTests(ConformanceBase):
-    def test_sleep_unsupported_is_a_capability_error(self, slot: EngineSlot, engine: Engine) -> None:
+    def test_sleep_unsupported_is_a_capability_error(self, slot: EngineSlot, engine: EngineProtocol) -> None:
         if engine.capabilities.supports_sleep():
             pytest.skip("backend declares sleep support")
         with pytest.raises(CapabilityError):
             slot.run(engine.sleep())
 
-    def test_sleep_wake_keeps_outputs(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any]) -> None:
+    def test_sleep_wake_keeps_outputs(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any]) -> None:
         need(engine, "sleep_levels")
         level = min(engine.capabilities.sleep_levels)
         slot.run(engine.sleep(level=level))
@@ -451,7 +453,7 @@ class SleepTests(ConformanceBase):
             self.push(slot, original_weights, engine.weight_version + 1)
         assert self.greedy_tokens(slot, prompt_ids) == reference
 
-    def test_sleep_kv_cache_only(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
+    def test_sleep_kv_cache_only(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
         need(engine, "sleep_levels")
         if "kv_cache" not in engine.capabilities.sleep_tags:
             pytest.skip("backend does not declare the 'kv_cache' sleep tag")
@@ -461,7 +463,7 @@ class SleepTests(ConformanceBase):
         slot.run(engine.wake_up(tags=["kv_cache"]))
         assert self.greedy_tokens(slot, prompt_ids) == reference
 
-    def test_discarded_weights_need_a_push(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any]) -> None:
+    def test_discarded_weights_need_a_push(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any]) -> None:
         need(engine, "sleep_levels")
         caps = engine.capabilities
         level = 2 if 2 in caps.sleep_levels else (min(caps.sleep_levels) if not caps.weights_kept_on_sleep else None)
@@ -482,7 +484,7 @@ class SleepTests(ConformanceBase):
 
 # ---- weight updates ---------------------------------------------------------------------------
 class WeightUpdateTests(ConformanceBase):
-    def test_push_changes_outputs_and_bumps_version(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any]) -> None:
+    def test_push_changes_outputs_and_bumps_version(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any]) -> None:
         from ..weights.checkpoint import perturbed
 
         pick_transport(engine)
@@ -499,7 +501,7 @@ class WeightUpdateTests(ConformanceBase):
         assert all(c.weight_version == v0 + 2 for c in outs)
 
     @pytest.mark.parametrize("fault", ["unknown_name", "wrong_shape", "wrong_dtype"])
-    def test_rejected_update_changes_nothing(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any], fault: str) -> None:
+    def test_rejected_update_changes_nothing(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any], fault: str) -> None:
         import torch
 
         from ..weights.checkpoint import perturbed
@@ -526,7 +528,7 @@ class WeightUpdateTests(ConformanceBase):
         assert self.push(slot, original_weights, v0 + 1) == v0 + 1
         assert self.greedy_tokens(slot, prompt_ids) == reference
 
-    def test_pause_holds_generation_until_resume(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
+    def test_pause_holds_generation_until_resume(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:
         need(engine, "pause")
         slot.run(engine.pause())
         assert slot.run(engine.info()).paused is True
@@ -542,7 +544,7 @@ class WeightUpdateTests(ConformanceBase):
 
 # ---- lifecycle --------------------------------------------------------------------------------
 class LifecycleTests(ConformanceBase):
-    def test_close_is_idempotent_and_final(self, slot: EngineSlot, engine: Engine, prompt_ids: list[list[int]]) -> None:
+    def test_close_is_idempotent_and_final(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
         try:
             slot.run(engine.close())
             slot.run(engine.close())
@@ -557,7 +559,169 @@ class LifecycleTests(ConformanceBase):
             slot.discard()
 
 
-class BackendConformance(GenerationTests, SleepTests, WeightUpdateTests, LifecycleTests):
+# ---- async RL: ids, streaming, abort, pause modes, continuation, logprobs -----------------------
+class AsyncRLTests(ConformanceBase):
+    """Each test is gated on the capability it checks (``streaming``, ``abort``, ``pause_modes``,
+    ``top_logprobs``, ``prompt_logprobs``, ``continuation``)."""
+
+    def test_request_ids_on_completions(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
+        rids = [f"conf-{i}" for i in range(len(prompt_ids) * 2)]
+        s = SamplingParams(temperature=1.0, max_tokens=3, n=2, seed=seed_if_declared(engine, 5))
+        if not engine.capabilities.n:
+            s, rids = greedy(3), rids[: len(prompt_ids)]
+        outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=s, request_ids=rids)))
+        assert [c.request_id for c in outs] == rids
+
+    def test_stream_equals_generate_for_greedy(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
+        need(engine, "streaming")
+        request = GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(12),
+                                  request_ids=[f"stream-{i}" for i in range(len(prompt_ids))])
+        outs = slot.run(engine.generate(request))
+
+        async def collect() -> tuple[dict[str, list[int]], dict[str, str]]:
+            got: dict[str, list[int]] = {}
+            finish: dict[str, str] = {}
+            async for d in engine.stream(request):
+                assert d.request_id not in finish, "nothing may follow a sequence's last delta"
+                got.setdefault(d.request_id, []).extend(d.token_ids)
+                if d.finish_reason is not None:
+                    finish[d.request_id] = d.finish_reason
+            return got, finish
+
+        got, finish = slot.run(collect())
+        assert {c.request_id: c.token_ids for c in outs} == got
+        assert {c.request_id: c.finish_reason for c in outs} == finish
+
+    def test_abort_returns_partial_tokens_promptly(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
+        import time
+
+        need(engine, "abort")
+        max_tokens = 1500
+        pending = slot.submit(engine.generate(GenerateRequest(
+            prompt_token_ids=prompt_ids[:1], sampling=greedy(max_tokens), request_ids=["conf-abort"])))
+        time.sleep(0.3)
+        slot.run(engine.abort(["conf-unknown"]))  # unknown ids are ignored
+        start = time.monotonic()
+        slot.run(engine.abort(["conf-abort"]))
+        out = pending.result(timeout=ABORT_PATIENCE_S)[0]
+        assert time.monotonic() - start < ABORT_PATIENCE_S
+        assert out.finish_reason == "abort" and len(out.token_ids) < max_tokens
+        assert out.request_id == "conf-abort"
+        slot.run(engine.abort(["conf-abort"]))  # finished: ignored
+        slot.run(engine.abort_all())  # nothing running: a no-op
+
+    def test_pause_wait_drains(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
+        import time
+
+        if "wait" not in engine.capabilities.pause_modes:
+            pytest.skip(f"backend '{engine.backend_name}' does not declare pause mode 'wait' (capability 'pause_modes')")
+        pending = slot.submit(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(200))))
+        time.sleep(0.05)
+        try:
+            slot.run(engine.pause("wait"))
+            assert pending.done(), "pause('wait') returns once the requests in flight are done"
+            out = pending.result()[0]
+            assert out.finish_reason == "length" and len(out.token_ids) == 200
+            later = slot.submit(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(2))))
+            with pytest.raises(TimeoutError):
+                later.result(timeout=0.3)
+        finally:
+            slot.run(engine.resume())
+        assert len(later.result(timeout=CALL_TIMEOUT_S)[0].token_ids) == 2
+
+    def test_keep_push_resume_continues_with_new_weights(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], original_weights: dict[str, Any]) -> None:
+        import time
+
+        from ..weights.checkpoint import perturbed
+
+        if "keep" not in engine.capabilities.pause_modes:
+            pytest.skip(f"backend '{engine.backend_name}' does not declare pause mode 'keep' (capability 'pause_modes')")
+        pick_transport(engine)
+        v0 = engine.weight_version
+        max_tokens = 1500
+        pending = slot.submit(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(max_tokens))))
+        time.sleep(0.2)
+        try:
+            slot.run(engine.pause("keep"))
+            assert not pending.done(), "the request finished before the pause; the engine is too fast for this test"
+            assert self.push(slot, perturbed(original_weights), v0 + 1) == v0 + 1
+        finally:
+            slot.run(engine.resume())
+        out = pending.result(timeout=CALL_TIMEOUT_S)[0]
+        versions = out.versions()
+        assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
+        assert out.weight_version == v0 + 1
+        assert out.token_weight_versions == versions, "a completion across a push records per-token versions"
+        switch = versions.index(v0 + 1)
+        assert 0 < switch and versions == [v0] * switch + [v0 + 1] * (max_tokens - switch)
+        if engine.capabilities.continuation:
+            # The tokens after the switch are those the new weights make from prompt + tokens so far.
+            prefix = out.model_copy(update={"token_ids": out.token_ids[:switch], "logprobs": None,
+                                            "token_weight_versions": None, "weight_version": v0})
+            check = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(8),
+                                                             continue_from=[prefix])))[0]
+            assert check.token_ids == out.token_ids[: switch + 8]
+        self.push(slot, original_weights, v0 + 2)
+
+    def test_top_logprobs_sorted_and_contain_the_sampled_token(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
+        need(engine, "top_logprobs")
+        k = min(3, engine.capabilities.top_logprobs)
+        s = SamplingParams(temperature=1.0, max_tokens=8, logprobs=1, top_logprobs=k, seed=seed_if_declared(engine, 2))
+        outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=s)))
+        for c in outs:
+            assert c.top_logprobs is not None and len(c.top_logprobs) == len(c.token_ids)
+            for token, top in zip(c.token_ids, c.top_logprobs, strict=True):
+                values = [t.logprob for t in top]
+                assert values == sorted(values, reverse=True)
+                assert k <= len(top) <= k + 1
+                assert token in [t.token_id for t in top]
+            if c.logprobs is not None:
+                for token, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs, strict=True):
+                    assert next(t.logprob for t in top if t.token_id == token) == pytest.approx(lp, abs=1e-3)
+
+    def test_prompt_logprobs_match_a_forward_pass(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], model_path: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        need(engine, "prompt_logprobs")
+        outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(1, prompt_logprobs=2))))
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        tolerance = 1e-3 if engine.config.dtype == "float32" else 0.1
+        for c, p in zip(outs, prompt_ids, strict=True):
+            with torch.no_grad():
+                lsm = model(torch.tensor([p])).logits[0].float().log_softmax(-1)
+            ref = lsm[:-1].gather(-1, torch.tensor(p[1:])[:, None])[:, 0].tolist()
+            assert c.prompt_logprobs is not None and len(c.prompt_logprobs) == len(p)
+            assert c.prompt_logprobs[0] is None
+            assert c.prompt_logprobs[1:] == pytest.approx(ref, abs=tolerance)
+            if c.prompt_top_logprobs is not None:
+                for j, top in enumerate(c.prompt_top_logprobs[1:]):
+                    values = [t.logprob for t in top]
+                    assert values[:2] == sorted(values[:2], reverse=True)
+                    assert values[0] == pytest.approx(float(lsm[j].max()), abs=tolerance)
+
+    def test_continue_from_gives_the_whole_response(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], original_weights: dict[str, Any]) -> None:
+        from ..weights.checkpoint import perturbed
+
+        need(engine, "continuation")
+        whole = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(10))))
+        first = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(4))))
+        rest = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(6), continue_from=first)))
+        assert tokens_of(rest) == tokens_of(whole), "max_tokens counts the new tokens; the earlier ones come first"
+        v0 = engine.weight_version
+        assert all(c.versions() == [v0] * 10 for c in rest)
+        if not engine.capabilities.transports:
+            return
+        self.push(slot, perturbed(original_weights), v0 + 1)
+        more = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(3), continue_from=first)))
+        for m, f in zip(more, first, strict=True):
+            assert m.token_ids[:4] == f.token_ids and len(m.token_ids) == 7
+            assert m.versions() == [v0] * 4 + [v0 + 1] * 3 and m.token_weight_versions is not None
+            assert m.weight_version == v0 + 1
+        self.push(slot, original_weights, v0 + 2)
+
+
+class BackendConformance(GenerationTests, SleepTests, WeightUpdateTests, AsyncRLTests, LifecycleTests):
     """Every standard test. Subclass it once per backend and provide ``engine_config``."""
 
 
@@ -618,6 +782,6 @@ def run_conformance(
 
 
 __all__ = [
-    "BackendConformance", "ConformanceBase", "EngineSlot", "GenerationTests", "LifecycleTests", "SleepTests",
+    "AsyncRLTests", "BackendConformance", "ConformanceBase", "EngineSlot", "GenerationTests", "LifecycleTests", "SleepTests",
     "WeightUpdateTests", "need", "pick_transport", "run_conformance",
 ]

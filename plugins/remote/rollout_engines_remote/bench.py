@@ -59,10 +59,10 @@ def generate_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         server = ServerProcess(served, str(args.model), options=opts, log=Path(tmp) / "server.log")
         with server:
             async def both() -> tuple[float, float | None, int, bool]:
-                remote = create_engine("remote", model=server.url, api_key=server.api_key)
+                remote: Any = create_engine("remote", model=server.url, api_key=server.api_key)  # a RemoteEngine
                 # Engines with worker processes (vLLM) pin and poll cores even when idle: two alive
                 # at once slow each other down, so those sides run one after the other.
-                separate = bool(remote.adapter.served.get("capabilities", {}).get("multi_process"))
+                separate = bool(remote.served.get("capabilities", {}).get("multi_process"))
                 try:
                     await remote.generate(request)  # warm-up (and the connection pool)
                     if separate:

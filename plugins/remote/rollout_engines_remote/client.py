@@ -11,39 +11,36 @@ one ``rollout-engines serve`` writes; else ``$ROLLOUT_ENGINES_API_KEY``), ``time
 ``backoff_s`` (0.2), ``max_connections`` (256), ``transports`` (declare only these of the server's
 weight transports, e.g. ``["http"]``).
 
-Capabilities are fetched from the server when the engine is created (a rollout-engines server
-declares its engine's; plain vLLM / SGLang servers get what their adapter can drive).
+A :class:`~rollout_engines.proxy.ProxyEngine`: over HTTP to a rollout-engines server (whose engine
+keeps the core's rules), or over an in-process channel to a plain server's adapter (which runs
+them here). Capabilities are fetched from the server when the engine is created. Closing the
+engine closes its connections, never the server.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from typing import Any
 
-from rollout_engines.engine import Engine
-from rollout_engines.types import Completion, EngineConfig, EngineInfo, GenerateRequest, PauseMode
-from rollout_engines.weights.manifest import TransportSpec, WeightManifest
+from rollout_engines.proxy import Channel, LocalChannel, ProxyEngine
+from rollout_engines.types import EngineConfig, EngineInfo
 
 from .adapters import make_adapter
+from .adapters.rollout import RolloutServerChannel
 from .api_client import ApiClient
 from .protocol import API_KEY_ENV
 
 
-class RemoteEngine(Engine):
+class RemoteEngine(ProxyEngine):
     """An engine served over HTTP. Created by ``create_engine("remote", model=URL, ...)``."""
 
-    backend_name = "remote"
-
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
         opts = config.options
         url = str(opts.get("url") or config.model)
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"the remote backend needs a server URL (http://host:port) as model or options['url'], "
                              f"got '{url}'")
         self.url = url.rstrip("/")
-        self._reset_done = False
         self.server_kind = str(opts.get("server", "rollout"))
         self.api = ApiClient(
             self.url, api_key=opts.get("api_key") or (None if opts.get("api_key_file") else os.environ.get(API_KEY_ENV)),
@@ -52,81 +49,34 @@ class RemoteEngine(Engine):
             retries=int(opts.get("retries", 3)), backoff_s=float(opts.get("backoff_s", 0.2)),
             max_connections=int(opts.get("max_connections", 256)),
         )
-        self.adapter = make_adapter(self.server_kind, self.api, config)
-        self.adapter.connect()
-        self.capabilities = self.adapter.capabilities
+        channel: Channel
+        if self.server_kind == "rollout":
+            channel = RolloutServerChannel(self.api)
+            described = channel.connect()
+            self.served: dict[str, Any] = described["info"]
+        else:
+            adapter = make_adapter(self.server_kind, self.api, config)
+            adapter.connect()
+            local = LocalChannel(adapter.engine(), label=f"the {self.server_kind} server at {self.url}")
+            channel, described, self.served = local, local.host.describe(), adapter.served
+        super().__init__(channel, config, described, call_timeout_s=float(opts.get("timeout_s", 600.0)),
+                         backend_name="remote")
         if opts.get("transports") is not None:
             keep = [t for t in self.capabilities.transports if t in set(opts["transports"])]
             self.capabilities = self.capabilities.model_copy(update={"transports": tuple(keep)})
-        self.weight_version = self.adapter.weight_version
 
-    # ---- hooks ---------------------------------------------------------------------------------
-    async def _generate(self, request: GenerateRequest) -> list[Completion]:
-        return await self.adapter.generate(request, self.weight_version)
+    async def info(self) -> EngineInfo:
+        """The served engine's info, with where it is served from."""
+        info = await super().info()
+        served_backend = self.described.get("backend")
+        return info.model_copy(update={"extra": {**info.extra, "url": self.url, "server_kind": self.server_kind,
+                                                 "served_backend": served_backend}})
 
-    async def _sleep(self, level: int, tags: Sequence[str]) -> None:
-        await self.adapter.sleep(level, tags)
-
-    async def _wake_up(self, tags: Sequence[str]) -> None:
-        await self.adapter.wake_up(tags)
-        self._reset_done = self.adapter.resets_itself
-
-    async def _reset_prefix_cache(self) -> None:
-        # The core resets the prefix cache after wake-up and after every update; where the server
-        # side already did (an engine behind it runs the same core rule), one round trip is saved.
-        if self._reset_done:
-            self._reset_done = False
-            return
-        await self.adapter.reset_prefix_cache()
-
-    async def _pause(self, mode: PauseMode) -> None:
-        await self.adapter.pause()
-
-    async def _resume(self) -> None:
-        await self.adapter.resume()
-
-    async def _init_weight_transfer(self, spec: TransportSpec) -> None:
-        await self.adapter.init_weight_transfer(spec)
-
-    async def _receive_weights(self, manifest: WeightManifest) -> None:
-        await self.adapter.receive_weights(manifest)
-        self._reset_done = self.adapter.resets_itself
-
-    async def _close_weight_transfer(self) -> None:
-        await self.adapter.close_weight_transfer()
-
-    async def _close(self) -> None:
+    async def close(self) -> None:
         try:
-            await self.adapter.close()
+            await super().close()
         finally:
             await self.api.aclose()
-
-    def weight_receivers(self) -> int:
-        return self.adapter.weight_receivers
-
-    # ---- status --------------------------------------------------------------------------------
-    async def info(self) -> EngineInfo:
-        """This engine's view, with the server's state (version, asleep, queue) where it reports it."""
-        local = await super().info()
-        if self.closed:
-            return local
-        served = await self.adapter.info()
-        if not served:
-            return local.model_copy(update={"extra": {"url": self.url, "server_kind": self.server_kind}})
-        self.weight_version = int(served.get("weight_version", self.weight_version))
-        return local.model_copy(update={
-            "weight_version": self.weight_version,
-            "asleep": sorted(set(served.get("asleep", [])) | set(local.asleep)),
-            "paused": bool(served.get("paused", local.paused)),
-            "outstanding": int(served.get("outstanding", local.outstanding)),
-            "healthy": local.healthy and bool(served.get("healthy", True)),
-            # The served engine's own extra (device, queue, ...) plus where it is served from.
-            "extra": {**dict(served.get("extra") or {}), "url": self.url, "server_kind": self.server_kind,
-                      "served_backend": served.get("backend")},
-        })
-
-    async def health(self) -> bool:
-        return not self.closed and await self.adapter.health()
 
     @staticmethod
     def generate_benchmark(args: Any) -> dict[str, Any]:
@@ -136,6 +86,3 @@ class RemoteEngine(Engine):
         from .bench import generate_benchmark
 
         return generate_benchmark(args)
-
-    def _extra_info(self) -> dict[str, Any]:
-        return {"url": self.url, "server_kind": self.server_kind}

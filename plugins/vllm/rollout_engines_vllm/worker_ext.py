@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from rollout_engines.errors import ManifestMismatch, WeightsInvalidated, WeightSyncError
+from rollout_engines.errors import ManifestMismatch, WeightSyncError
+from rollout_engines.proxy import WireError, raise_for_workers
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, manifest_from_wire
 from rollout_engines.weights.receiver import WeightReceiver
 
@@ -30,13 +31,8 @@ HOST_TRANSPORTS = {"gloo", "shm", "disk", "inproc", "http"}
 
 
 def error_result(exc: BaseException) -> dict[str, Any]:
-    return {
-        "ok": False,
-        "error": type(exc).__name__,
-        "message": str(exc),
-        "peer": getattr(exc, "peer", None),
-        "bucket": getattr(exc, "bucket", None),
-    }
+    """A failed worker call in the core's one error wire format (:class:`~rollout_engines.proxy.WireError`)."""
+    return {"ok": False, **WireError.of(exc).model_dump()}
 
 
 class VllmWeightTarget:
@@ -237,25 +233,8 @@ class WorkerExtension:
 
 
 def raise_worker_error(results: list[dict[str, Any]], what: str, *, update: bool = False) -> None:
-    """Raise the typed error for the first failed worker of a ``collective_rpc`` call.
-
-    ``update``: the call applied weights, so workers that succeeded while others failed leave
-    the engine with mismatched shards (:class:`WeightsInvalidated`)."""
-    failed = [(rank, r) for rank, r in enumerate(results) if not r.get("ok")]
-    if not failed:
-        return
-    rank, first = failed[0]
-    kinds = {"ManifestMismatch": ManifestMismatch, "WeightsInvalidated": WeightsInvalidated}
-    cls = kinds.get(first["error"], WeightSyncError)
-    if cls is WeightSyncError and first["error"] != "WeightSyncError":
-        message = f"{what} failed in vLLM worker {rank}: {first['error']}: {first['message']}"
-    else:
-        message = first["message"]
-    applied = [r for r in results if r.get("ok")]
-    if update and applied and cls is not ManifestMismatch:
-        # Some workers took the update and others did not: the shards no longer match.
-        cls = WeightsInvalidated
-        message = f"{message} (workers {[i for i, r in enumerate(results) if r.get('ok')]} applied it)"
-    err = cls(message)  # the worker's message already names the peer and bucket
-    err.peer, err.bucket = first.get("peer"), first.get("bucket")
-    raise err
+    """Raise the typed error for the first failed worker of a ``collective_rpc`` call, by the core's
+    one rule for partial failures (:func:`rollout_engines.proxy.raise_for_workers`): ``update``: the
+    call applied weights, so workers that succeeded while others failed leave the engine with
+    mismatched shards (:class:`WeightsInvalidated`)."""
+    raise_for_workers(results, what, applies_weights=update, worker="vLLM worker")

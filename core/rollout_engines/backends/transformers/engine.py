@@ -2,15 +2,33 @@
 
 It runs on the CPU or one GPU, in the caller's process:
 
-- **One worker thread owns the model.** Every generate, sleep, wake-up and weight update is a job
-  on that thread's queue, so the event loop is never blocked and no two of them ever overlap:
-  generation never runs while weights are being applied. Generate jobs waiting in the queue are
-  merged into one batch (each row keeps its own sampling parameters), up to ``max_batch_rows``.
+- **One worker thread owns the model.** Every generation step, sleep, wake-up and weight apply
+  runs on that thread, so the event loop is never blocked and no two of them ever overlap:
+  generation never runs while weights are being applied.
+- **Continuous batching**: requests join and leave the running batch between any two steps (each
+  row keeps its own sampling parameters), up to ``max_batch_rows`` rows; a request that arrives
+  while a long one runs is prefilled and stepped with it, and finishes first if it is shorter.
+  Requests queued together are prefilled together. A control job (sleep, wake-up, a weight apply,
+  an in-place receive) waits until the rows running before it have finished and admits nothing
+  queued behind it meanwhile, so outside ``keep`` pauses no completion spans two weight versions.
 - **Generation** is a left-padded batch with a ``DynamicCache`` and our own sampler
   (:mod:`.sampling`, :mod:`.generation`), so every :class:`SamplingParams` field is honoured.
-- **KV cache**: none is kept between requests (each batch builds its own and drops it), so there
+  Logprobs (``logprobs``, ``top_logprobs``, ``prompt_logprobs``) are raw: ``log_softmax`` of the
+  model's logits, before temperature and the top-k/top-p/min-p masks (vLLM's default).
+- **Async RL**: every prompt x sample has its request id on its completion; ``stream`` yields each
+  row's new tokens as they are made, and a row whose consumer has not taken
+  ``stream_buffer_tokens`` tokens yet is taken out of the batch (with its KV) until it catches up,
+  so a slow consumer holds a bounded buffer; ``abort`` ends rows at the next step with what they
+  have (``finish_reason="abort"``); ``pause("keep")`` stops stepping (rows keep their state) and
+  ``resume`` carries on. After a weight change (a push while paused in ``keep`` mode) the kept
+  rows' KV was computed by the old weights: it is dropped and recomputed from prompt + tokens so
+  far under the new weights (option ``keep_kv_on_weight_change=True`` keeps the old KV instead);
+  the per-token versions of the completion show the switch. ``continue_from`` prefills prompt +
+  the earlier tokens and appends (``max_tokens`` counts the new tokens; a stream yields only the
+  new tokens). Sleeping drops the kept rows' KV the same way.
+- **KV cache**: none is kept between requests (rows carry theirs only while they run), so there
   is no prefix cache to reset and sleeping the ``kv_cache`` tag only returns cached allocator
-  memory to the device.
+  memory to the device (and the KV of rows kept by a ``keep`` pause, recomputed on resume).
 - **Sleep**: level 1 offloads the weights (to CPU memory on a GPU; on the CPU the parameters'
   storage is detached from the model and kept aside) and restores them on wake-up; level 2
   discards them, and the engine refuses to generate until a complete push arrives.
@@ -24,7 +42,9 @@ It runs on the CPU or one GPU, in the caller's process:
   running request's rows at the next step; the rest of the batch carries on.
 
 Options (``EngineConfig.options``): ``attn_implementation`` (default ``"sdpa"``),
-``max_batch_rows`` (default 256), ``num_threads`` (CPU intra-op threads of the engine's worker;
+``max_batch_rows`` (default 256), ``stream_buffer_tokens`` (default 64: tokens a stream may hold
+undelivered per row before the row waits for its consumer), ``keep_kv_on_weight_change`` (default
+False: see above), ``num_threads`` (CPU intra-op threads of the engine's worker;
 default 1 for models under 50M parameters, else torch's setting), ``weight_apply_mode`` (``"staged"``, the default: an interrupted
 update changes nothing; ``"inplace"``: no second copy of the weights, an interrupted update makes
 the engine refuse to generate until the next complete push).
@@ -38,7 +58,7 @@ import concurrent.futures
 import gc
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -55,10 +75,10 @@ from ...errors import (
 )
 from ...threads import run_in_thread
 from ...tokenization import chat_token_ids
-from ...types import Completion, EngineConfig, GenerateRequest
+from ...types import Completion, EngineConfig, GenerateRequest, PauseMode, StreamDelta, TokenLogprob
 from ...weights.manifest import TensorSpec, TransportSpec, WeightManifest
 from ...weights.receiver import StateDictTarget, WeightReceiver
-from .generation import Row, make_rows, run_batch
+from .generation import Batch, Row, make_rows, run_batch
 
 logger = logging.getLogger("rollout_engines.backends.transformers")
 
@@ -74,12 +94,37 @@ _INLINE_CHECK_TOKENS = 65_536
 
 
 @dataclass(eq=False)
+class _Stream:
+    """The consumer side of a streamed request, woken on its own loop when its rows have news."""
+
+    loop: asyncio.AbstractEventLoop
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # rows' visible/delivered/done
+
+    def wake(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.event.set)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            pass
+
+
+@dataclass(eq=False)
 class _GenerateJob:
     request: GenerateRequest
     future: concurrent.futures.Future[list[Completion]]
     prompts: list[list[int]] | None = None  # tokenized and checked before the job is queued
     rows: list[Row] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    ids: list[str] = field(default_factory=list)  # one per row, prompt-major
+    aborted: set[int] = field(default_factory=set)  # rows to end now (under the engine's lock)
+    abort_all: bool = False
+    error: BaseException | None = None
+    left: int = 0  # rows not finished yet (worker)
+    stream: _Stream | None = None
+
+    @property
+    def size(self) -> int:
+        return self.request.batch_size * self.request.sampling.n
 
 
 @dataclass
@@ -154,6 +199,12 @@ class TransformersEngine(Engine):
         sleep_tags=("weights", "kv_cache"),
         weights_kept_on_sleep=True,
         pause=True,
+        pause_modes=("abort", "wait", "keep"),
+        streaming=True,
+        abort=True,
+        top_logprobs=20,
+        prompt_logprobs=True,
+        continuation=True,
         prefix_cache=False,
         transports=_CPU_TRANSPORTS,
     )
@@ -172,6 +223,8 @@ class TransformersEngine(Engine):
         if apply_mode not in ("staged", "inplace"):
             raise ValueError(f"weight_apply_mode must be 'staged' or 'inplace', not {apply_mode!r}")
         self._apply_mode: Literal["staged", "inplace"] = apply_mode
+        self.stream_buffer_tokens = max(1, int(options.pop("stream_buffer_tokens", 64)))
+        self.keep_kv_on_weight_change = bool(options.pop("keep_kv_on_weight_change", False))
         attn = options.pop("attn_implementation", "sdpa")
         threads = options.pop("num_threads", None)
         if options:
@@ -212,7 +265,19 @@ class TransformersEngine(Engine):
         self.batches_run = 0  # batches and requests generated so far (requests / batches: merging)
         self.requests_run = 0
         self.requests_cancelled = 0  # requests cancelled while queued or running
-        self._running: list[_GenerateJob] = []  # the generate jobs of the batch now running
+        self._running: list[_GenerateJob] = []  # the generate jobs taken off the queue, not answered yet
+        # Worker state: the running batch; rows waiting to be prefilled (new, or whose KV was
+        # dropped); rows out of the batch until their stream's consumer catches up.
+        self._batch = Batch(self.device, self.vocab_size)
+        self._pending: list[Row] = []
+        self._parked: list[Row] = []
+        self._kv_version = 0  # the weight version the running rows' KV was computed with
+        self._next_key = 0
+        self._frozen = False  # pause("keep"): nothing is stepped or admitted
+        self._abort_flag = False  # aborts or cancellations for the worker to look at
+        self._ids: dict[str, tuple[_GenerateJob, int]] = {}  # running request id -> (job, row)
+        self._submitting = 0  # generate/stream calls still tokenizing (event loop only)
+        self.stream_buffer_peak = 0  # most undelivered tokens a streamed row ever held
 
         self._jobs: collections.deque[_GenerateJob | _CallJob | None] = collections.deque()
         self._cv = threading.Condition()
@@ -262,100 +327,264 @@ class TransformersEngine(Engine):
             torch.set_num_threads(self.num_threads)
         while True:
             with self._cv:
-                while not self._jobs:
+                while self._idle():
                     self._cv.wait()
-                job = self._jobs.popleft()
-                if job is None:
-                    return
-                batch: list[_GenerateJob] = []
-                if isinstance(job, _GenerateJob):
-                    batch.append(job)
-                    rows = job.request.batch_size * job.request.sampling.n
-                    # Merge the generate jobs queued right behind this one (not past a control job).
-                    while self._jobs and isinstance(self._jobs[0], _GenerateJob):
-                        nxt = self._jobs[0]
-                        assert nxt is not None
-                        more = nxt.request.batch_size * nxt.request.sampling.n
-                        if rows + more > self.max_batch_rows:
-                            break
-                        batch.append(self._jobs.popleft())  # type: ignore[arg-type]
-                        rows += more
-            if isinstance(job, _CallJob):
-                if job.future.set_running_or_notify_cancel():
+                if self._jobs and self._jobs[0] is None:
+                    break
+                call: _CallJob | None = None
+                fresh: list[_GenerateJob] = []
+                index = self._runnable_call()
+                if index is not None:
+                    call = self._jobs[index]  # type: ignore[assignment]
+                    del self._jobs[index]
+                else:
+                    fresh = self._take_jobs()
+                sweep, self._abort_flag = self._abort_flag, False
+            if call is not None:
+                if call.future.set_running_or_notify_cancel():
                     try:
-                        job.future.set_result(job.fn())
+                        call.future.set_result(call.fn())
                     except BaseException as exc:
-                        job.future.set_exception(exc)
-            else:
-                live = [j for j in batch if j.future.set_running_or_notify_cancel()]
-                if len(live) < len(batch):  # cancelled while queued, just before _cancel could remove them
-                    with self._cv:
-                        self.requests_cancelled += len(batch) - len(live)
-                self._run_generate(live)
+                        call.future.set_exception(exc)
+                continue
+            try:
+                self._tick(fresh, sweep)
+            except BaseException as exc:  # a bug or an interrupt: no request may hang on it
+                logger.exception("the transformers engine's worker failed")
+                self._fail_all(exc)
+        self._fail_all(EngineClosed("engine 'transformers' was closed before this request finished"))
 
-    def _run_generate(self, jobs: list[_GenerateJob]) -> None:
-        ready: list[_GenerateJob] = []
-        first_key = 0
-        for job in jobs:
-            try:  # each job's rows and sampling state on their own: a job that cannot run fails alone
+    # -- what the worker may do next (all under self._cv) --
+    def _can_step(self) -> bool:
+        return self._weights_state == "live" and self._invalid_reason is None
+
+    def _runnable_call(self) -> int | None:
+        """Where the control job that may run now is in the queue. One runs once the rows running
+        before it have finished (so it never lands in the middle of a completion), or at once while
+        paused in ``keep`` mode (the frozen rows wait for it; generate jobs queued ahead of it too)."""
+        if not (self._frozen or not self._can_step() or (not self._batch.rows and not self._pending)):
+            return None
+        for i, job in enumerate(self._jobs):
+            if isinstance(job, _CallJob):
+                return i
+            if job is None or not self._frozen:
+                return None
+        return None
+
+    def _used(self) -> int:
+        return len(self._batch.rows) + len(self._parked)
+
+    def _take_jobs(self) -> list[_GenerateJob]:
+        """Generate jobs from the head of the queue while there is room (not past a control job)."""
+        taken: list[_GenerateJob] = []
+        used = self._used() + len(self._pending)
+        while not self._frozen and self._jobs and isinstance(self._jobs[0], _GenerateJob) \
+                and used < self.max_batch_rows:
+            job = self._jobs.popleft()
+            assert isinstance(job, _GenerateJob)
+            if not job.future.set_running_or_notify_cancel():  # cancelled just before _cancel could remove it
+                self.requests_cancelled += 1
+                self._forget_ids(job)
+                continue
+            self._running.append(job)
+            taken.append(job)
+            used += job.size
+        return taken
+
+    def _unparkable(self, row: Row) -> bool:
+        return row.visible - row.delivered <= self.stream_buffer_tokens // 2
+
+    def _idle(self) -> bool:
+        if self._jobs:
+            head = self._jobs[0]
+            if head is None or self._runnable_call() is not None:
+                return False
+            if isinstance(head, _GenerateJob) and not self._frozen and self._used() + len(self._pending) < self.max_batch_rows:
+                return False
+        if self._abort_flag or self._model_version != self._kv_version:
+            return False
+        if self._frozen or not self._can_step():
+            return True
+        if self._batch.rows or (self._pending and self._used() < self.max_batch_rows):
+            return False
+        return not any(self._unparkable(r) for r in self._parked)
+
+    # -- one round of the worker: admit, end, step --
+    def _tick(self, fresh: list[_GenerateJob], sweep: bool) -> None:
+        for job in fresh:  # each job's rows and sampling state on their own: a job that cannot run fails alone
+            try:
                 self._check_worker_state()
-                job.rows = self._rows(job, first_key=first_key)
-                first_key += job.request.batch_size
-                ready.append(job)
+                rows = self._rows(job, first_key=self._next_key)
             except BaseException as exc:
-                job.future.set_exception(exc)
+                self._resolve(job, error=exc)
+                continue
+            self._next_key += job.request.batch_size
+            for row in rows:
+                row.owner = job
+            job.rows, job.left = rows, len(rows)
+            self._pending.extend(rows)
+        if sweep or fresh:
+            self._sweep()
+        if self._model_version != self._kv_version:
+            # The weights changed under kept rows: their KV (and next-token logits) are stale.
+            self._kv_version = self._model_version
+            if not self.keep_kv_on_weight_change:
+                self._drop_kv()
+        self._unpark()
+        if self._frozen or not self._can_step():
+            return
+        self._admit()
+        if not self._batch.rows:
+            return
+        try:
+            finished = self._batch.step(self.hf_model, self.tokenizer, self._shared_generator, self._model_version)
+        except Exception as exc:  # the whole step failed: not attributable to one request
+            logger.exception("a generation step failed")
+            jobs = list(dict.fromkeys(r.owner for r in self._batch.rows))
+            self._batch.clear()
+            for job in jobs:
+                self._fail(job, exc)
+            return
+        self._publish(self._batch.rows + finished)
+        for row in finished:
+            self._row_done(row)
+        self._park()
+
+    def _admit(self) -> None:
+        """Prefill pending rows into the running batch, as many as there is room for."""
+        room = self.max_batch_rows - self._used()
+        if room <= 0 or not self._pending:
+            return
+        rows, self._pending = self._pending[:room], self._pending[room:]
+        try:
+            self._prefill(rows)
+            return
+        except Exception as exc:
+            jobs = list(dict.fromkeys(r.owner for r in rows))
+            if len(jobs) == 1:
+                logger.exception("generation failed")
+                self._fail(jobs[0], exc)
+                return
+            # Not attributable to one request: prefill each alone, so that only the one that fails fails.
+            logger.warning("prefilling %d requests together failed (%r); trying them one by one", len(jobs), exc)
+        for job in jobs:
+            try:
+                self._prefill([r for r in rows if r.owner is job])
+            except Exception as exc:
+                logger.exception("generation failed")
+                self._fail(job, exc)
+
+    def _prefill(self, rows: list[Row]) -> None:
+        run_batch(self.hf_model, self.tokenizer, rows, batch=self._batch, pad_id=self.pad_id,
+                  version=self._model_version)
+        if any(r.prefills == 0 for r in rows):
+            self.batches_run += 1  # a group of new requests joined the running batch
+        for r in rows:
+            r.prefills += 1
+
+    def _drop_kv(self) -> None:
+        """Forget the KV of every running row; each is prefilled again (prompt + tokens so far)."""
+        rows = list(self._batch.rows)
+        self._batch.clear()
+        for row in self._parked:
+            row.parked = None  # prefilled again once its consumer caught up
+        self._pending[:0] = rows
+
+    def _park(self) -> None:
+        """Take streamed rows whose consumer is ``stream_buffer_tokens`` behind out of the batch."""
+        full = [i for i, r in enumerate(self._batch.rows)
+                if r.owner.stream is not None and r.visible - r.delivered >= self.stream_buffer_tokens]
+        if not full:
+            return
+        rows = [self._batch.rows[i] for i in full]
+        for row, alone in zip(rows, self._batch.split(full), strict=True):
+            row.parked = alone
+            self._parked.append(row)
+
+    def _unpark(self) -> None:
+        ready = [r for r in self._parked if self._unparkable(r)]
         if not ready:
             return
-        self._running = ready
-        try:
-            self._run_jobs(ready)
-        finally:
-            self._running = []
+        self._parked = [r for r in self._parked if not self._unparkable(r) or r not in ready]
+        back = [r.parked for r in ready if r.parked is not None]
+        self._pending[:0] = [r for r in ready if r.parked is None]
+        for r in ready:
+            r.parked = None
+        self._batch.extend(back)  # type: ignore[arg-type]
 
-    def _run_jobs(self, ready: list[_GenerateJob]) -> None:
-        try:
-            self._run_rows([r for job in ready for r in job.rows or ()])
-        except Exception as exc:
-            if len(ready) == 1:
-                logger.exception("generation failed")
-                self._resolve(ready[0], error=exc)
-                return
-            # Not attributable to one request: run each alone, so that only the one that fails fails.
-            logger.warning("a merged batch of %d requests failed (%r); running them one by one", len(ready), exc)
-            for job in ready:
-                self._run_jobs_alone(job)
+    def _publish(self, rows: list[Row]) -> None:
+        """Make streamed rows' new tokens (and ends) visible to their consumers, and wake them."""
+        jobs: dict[_GenerateJob, list[Row]] = {}
+        for row in rows:
+            if row.owner.stream is not None:
+                jobs.setdefault(row.owner, []).append(row)
+        for job, mine in jobs.items():
+            assert job.stream is not None
+            with job.stream.lock:
+                for row in mine:
+                    row.visible, row.done = len(row.tokens), row.finish is not None
+                    self.stream_buffer_peak = max(self.stream_buffer_peak, row.visible - row.delivered)
+            job.stream.wake()
+
+    def _sweep(self) -> None:
+        """End the rows that were aborted, or whose request was cancelled or failed."""
+        with self._cv:
+            marks = {job: (job.abort_all, set(job.aborted)) for job in self._running}
+
+        def ends(row: Row) -> bool:
+            job = row.owner
+            if job.error is not None or job.cancel.is_set():
+                return True
+            everything, ids = marks.get(job, (False, set()))
+            return everything or row.index in ids
+
+        for row in self._take_rows(ends):
+            if row.finish is None:
+                row.finish = "abort"
+            self._publish([row])
+            self._row_done(row)
+
+    def _take_rows(self, which: Callable[[Row], bool]) -> list[Row]:
+        """Remove the rows ``which`` picks from the batch, the parked and the pending rows."""
+        out = [r for r in self._batch.rows if which(r)]
+        if out:
+            self._batch.keep([i for i, r in enumerate(self._batch.rows) if not which(r)])
+        for name in ("_parked", "_pending"):
+            rows: list[Row] = getattr(self, name)
+            gone = [r for r in rows if which(r)]
+            if gone:
+                setattr(self, name, [r for r in rows if not which(r)])
+                for r in gone:
+                    r.parked = None
+                out += gone
+        return out
+
+    def _row_done(self, row: Row) -> None:
+        job: _GenerateJob = row.owner
+        if job.future.done():
             return
-        except BaseException as exc:
-            logger.exception("generation failed")
-            for job in ready:
-                self._resolve(job, error=exc)
+        if row.error is not None:
+            self._fail(job, row.error)
             return
-        self.batches_run += 1
-        for job in ready:
+        job.left -= 1
+        if job.left <= 0:
             self._finish(job)
 
-    def _run_jobs_alone(self, job: _GenerateJob) -> None:
-        try:
-            job.rows = self._rows(job, first_key=0)  # fresh rows (and seeded generators)
-            self._run_rows(job.rows)
-        except Exception as exc:
-            logger.exception("generation failed")
-            self._resolve(job, error=exc)
-            return
-        self.batches_run += 1
-        self._finish(job)
+    def _fail(self, job: _GenerateJob, error: BaseException) -> None:
+        """A request fails as a whole: its other rows stop too."""
+        job.error = error
+        self._take_rows(lambda r: r.owner is job)
+        self._resolve(job, error=error)
 
-    def _run_rows(self, rows: list[Row]) -> None:
-        # A request larger than max_batch_rows runs in slices, which bounds activation and KV memory.
-        for start in range(0, len(rows), self.max_batch_rows):
-            part = rows[start:start + self.max_batch_rows]
-            for row in part:
-                if row.cancel is not None and row.cancel.is_set():
-                    row.finish = "abort"
-            part = [r for r in part if r.finish is None]
-            if part:
-                run_batch(self.hf_model, self.tokenizer, part, device=self.device, pad_id=self.pad_id,
-                          shared=self._shared_generator)
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cv:
+            jobs = list(self._running)
+        self._batch.clear()
+        self._pending, self._parked = [], []
+        for job in jobs:
+            if not job.future.done():
+                job.error = error
+                self._resolve(job, error=error)
 
     def _finish(self, job: _GenerateJob) -> None:
         """Resolve one job's future from its rows: its result, its own error, or cancelled."""
@@ -365,17 +594,24 @@ class TransformersEngine(Engine):
                 self.requests_cancelled += 1
             self._resolve(job, error=concurrent.futures.CancelledError())
             return
-        error = next((r.error for r in rows if r.error is not None), None)
+        error = job.error or next((r.error for r in rows if r.error is not None), None)
         if error is not None:
             self._resolve(job, error=error)
             return
         try:
-            completions = [r.completion(self.tokenizer, self._model_version) for r in rows]
+            completions = [] if job.stream is not None else \
+                [r.completion(self.tokenizer, self._model_version) for r in rows]
         except Exception as exc:
             self._resolve(job, error=exc)
             return
-        self.requests_run += 1
+        with self._cv:
+            self.requests_run += 1
         self._resolve(job, completions)
+
+    def _forget_ids(self, job: _GenerateJob) -> None:
+        for rid in job.ids:
+            if self._ids.get(rid, (None,))[0] is job:
+                del self._ids[rid]
 
     def _resolve(self, job: _GenerateJob, result: list[Completion] | None = None,
                  error: BaseException | None = None) -> None:
@@ -383,10 +619,16 @@ class TransformersEngine(Engine):
         never sees the job as running."""
         with self._cv:
             self._running = [j for j in self._running if j is not job]
+            self._forget_ids(job)
+        if job.future.done():
+            return
         if error is not None:
+            job.error = job.error or error
             job.future.set_exception(error)
         else:
             job.future.set_result(result or [])
+        if job.stream is not None:
+            job.stream.wake()
 
     def _check_worker_state(self) -> None:
         if self._weights_state != "live":
@@ -407,8 +649,10 @@ class TransformersEngine(Engine):
         return [chat_token_ids(self.tokenizer, chat) for chat in request.messages]
 
     def _prompt_ids(self, request: GenerateRequest) -> list[list[int]]:
-        """Every prompt's token ids, checked against the vocabulary and the context window."""
+        """Every prompt's token ids, checked against the vocabulary and the context window (with
+        the tokens of the completion it continues, if any)."""
         prompts = self._tokenize(request)
+        priors = request.continue_from
         for i, p in enumerate(prompts):
             if not p:
                 raise InvalidRequest(f"prompt {i} is empty after tokenization; give at least one token of text")
@@ -422,7 +666,33 @@ class TransformersEngine(Engine):
                     f"prompt {i} has {len(p)} tokens; the context window is {self.max_model_len} "
                     "(max_model_len), which leaves no room to generate. Shorten the prompt"
                 )
+            if priors is not None:
+                self._check_prior(i, p, priors[i], request)
         return prompts
+
+    def _check_prior(self, i: int, prompt: list[int], prior: Completion, request: GenerateRequest) -> None:
+        ids = prior.token_ids
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"continue_from[{i}] has token id {bad} outside the model's vocabulary")
+        if len(prompt) + len(ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"prompt {i} and the {len(ids)} tokens it continues fill the context window "
+                f"({self.max_model_len}, max_model_len): no room to generate"
+            )
+        s = request.sampling
+        if s.logprobs is not None and ids and (prior.logprobs is None or len(prior.logprobs) != len(ids)):
+            raise InvalidRequest(
+                f"continue_from[{i}] has no logprob for each of its tokens, so the continued completion "
+                "cannot carry logprobs; ask for logprobs in the first request too, or leave them out here"
+            )
+        if s.top_logprobs is not None and ids and (prior.top_logprobs is None or len(prior.top_logprobs) != len(ids)):
+            raise InvalidRequest(
+                f"continue_from[{i}] has no top_logprobs for each of its tokens; ask for them in the first "
+                "request too, or leave them out here"
+            )
+        if prior.token_weight_versions is not None and len(prior.token_weight_versions) != len(ids):
+            raise InvalidRequest(f"continue_from[{i}]: token_weight_versions must have one entry per token")
 
     def _rows(self, job: _GenerateJob, first_key: int) -> list[Row]:
         request = job.request
@@ -430,43 +700,193 @@ class TransformersEngine(Engine):
         return make_rows(
             prompts, request.sampling, eos_ids=self.eos_ids, max_len=self.max_model_len, device=self.device,
             first_key=first_key, vocab=self.vocab_size, cancel=job.cancel,
+            request_ids=job.ids or request.sequence_ids(), priors=request.continue_from,
         )
 
-    async def _generate(self, request: GenerateRequest) -> list[Completion]:
-        # Tokenize and check here, not on the worker: a large prompt must not hold up other requests.
-        if request.prompt_token_ids is not None:
-            inline = sum(len(p) for p in request.prompt_token_ids) <= _INLINE_CHECK_TOKENS
-        elif request.prompts is not None:
-            inline = sum(len(p) for p in request.prompts) <= _INLINE_TOKENIZE_CHARS
-        else:
-            assert request.messages is not None
-            inline = sum(len(m.content) for chat in request.messages for m in chat) <= _INLINE_TOKENIZE_CHARS
-        prompts = self._prompt_ids(request) if inline else await asyncio.to_thread(self._prompt_ids, request)
-        future: concurrent.futures.Future[list[Completion]] = concurrent.futures.Future()
-        job = _GenerateJob(request, future, prompts=prompts)
-        self._submit(job)
+    async def _start(self, request: GenerateRequest, stream: _Stream | None = None) -> _GenerateJob:
+        """Tokenize and check a request, then queue it. Here, not on the worker: a large prompt
+        must not hold up other requests."""
+        self._submitting += 1
         try:
-            return await asyncio.wrap_future(future)
+            if request.prompt_token_ids is not None:
+                inline = sum(len(p) for p in request.prompt_token_ids) <= _INLINE_CHECK_TOKENS
+            elif request.prompts is not None:
+                inline = sum(len(p) for p in request.prompts) <= _INLINE_TOKENIZE_CHARS
+            else:
+                assert request.messages is not None
+                inline = sum(len(m.content) for chat in request.messages for m in chat) <= _INLINE_TOKENIZE_CHARS
+            prompts = self._prompt_ids(request) if inline else await asyncio.to_thread(self._prompt_ids, request)
+            future: concurrent.futures.Future[list[Completion]] = concurrent.futures.Future()
+            job = _GenerateJob(request, future, prompts=prompts, ids=request.sequence_ids(), stream=stream)
+            self._enqueue(job)
+            return job
+        finally:
+            self._submitting -= 1
+
+    def _enqueue(self, job: _GenerateJob) -> None:
+        with self._cv:
+            if self._closed:
+                raise EngineClosed("engine 'transformers' is closed; create a new one")
+            taken = next((rid for rid in job.ids if rid in self._ids), None)
+            if taken is not None:
+                raise InvalidRequest(
+                    f"request id {taken!r} belongs to a request that is still running; request ids must be "
+                    "unique among running requests"
+                )
+            for index, rid in enumerate(job.ids):
+                self._ids[rid] = (job, index)
+            self._jobs.append(job)
+            self._cv.notify()
+
+    async def _generate(self, request: GenerateRequest) -> list[Completion]:
+        job = await self._start(request)
+        try:
+            return await asyncio.wrap_future(job.future)
         except asyncio.CancelledError:
             self._cancel(job)
             raise
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        """Each row's new tokens as the worker makes them. The worker publishes a row's tokens after
+        every step and takes the row out of the batch while ``stream_buffer_tokens`` of them are
+        undelivered, so this buffer is bounded however slowly the caller consumes."""
+        stream = _Stream(asyncio.get_running_loop())
+        job = await self._start(request, stream)
+        finished = False
+        try:
+            while not finished:
+                await stream.event.wait()
+                stream.event.clear()
+                deltas, finished = self._take_deltas(job)
+                for delta in deltas:
+                    yield delta
+        finally:
+            if not finished:
+                self._cancel(job)
+
+    def _take_deltas(self, job: _GenerateJob) -> tuple[list[StreamDelta], bool]:
+        """What the consumer has not seen yet; True once every row's last delta is in the list."""
+        future = job.future
+        if future.done() and not future.cancelled() and future.exception() is not None:
+            raise future.exception()  # type: ignore[misc]
+        rows = job.rows
+        if rows is None:
+            return [], False
+        stream = job.stream
+        assert stream is not None
+        deltas = []
+        with stream.lock:
+            for row in rows:
+                a, b = row.delivered, row.visible
+                final = row.done and not row.final_sent
+                if b <= a and not final:
+                    continue
+                versions = row.versions
+                deltas.append(StreamDelta(
+                    request_id=row.request_id, prompt_index=row.prompt_index, sample_index=row.sample_index,
+                    token_ids=row.tokens[a:b],
+                    logprobs=row.logprobs[a:b] if row.params.logprobs is not None else None,
+                    top_logprobs=[[TokenLogprob(token_id=i, logprob=lp) for i, lp in entry] for entry in row.top[a:b]]
+                    if row.top is not None else None,
+                    weight_version=versions[b - 1] if b else (row.all_versions() or [self._model_version])[-1],
+                    finish_reason=row.finish if final else None,
+                ))
+                row.delivered = b
+                row.final_sent = row.final_sent or final
+            finished = all(r.final_sent for r in rows)
+        if self._parked:  # a row waiting for this consumer may go on now
+            with self._cv:
+                self._cv.notify()
+        return deltas, finished
 
     def _cancel(self, job: _GenerateJob) -> None:
         """Stop a job whose caller went away: out of the queue, or its rows dropped at the next step."""
         job.cancel.set()
         with self._cv:
+            self._abort_flag = True
+            self._cv.notify()
             try:
                 self._jobs.remove(job)
             except ValueError:
                 return  # running (its rows end at the next step) or finished already
             self.requests_cancelled += 1
+            self._forget_ids(job)
         job.future.cancel()
+
+    # ---- abort and pause -------------------------------------------------------------------------
+    async def _abort(self, request_ids: Sequence[str] | None) -> None:
+        unstarted: list[_GenerateJob] = []
+        with self._cv:
+            if request_ids is None:
+                touched = [j for j in self._jobs if isinstance(j, _GenerateJob)] + list(self._running)
+                for job in touched:
+                    job.abort_all = True
+            else:
+                touched = []
+                for rid in request_ids:
+                    hit = self._ids.get(rid)
+                    if hit is not None:
+                        hit[0].aborted.add(hit[1])
+                        touched.append(hit[0])
+            for job in dict.fromkeys(touched):
+                if (job.abort_all or len(job.aborted) >= job.size) and job in self._jobs:
+                    self._jobs.remove(job)  # never started: answered here
+                    unstarted.append(job)
+            self._abort_flag = True
+            self._cv.notify()
+        for job in unstarted:
+            self._end_unstarted(job)
+
+    def _end_unstarted(self, job: _GenerateJob) -> None:
+        """Answer a queued request that was aborted as a whole: no new tokens, ``finish_reason="abort"``."""
+        if not job.future.set_running_or_notify_cancel():
+            with self._cv:
+                self._forget_ids(job)
+            return
+        try:
+            rows = self._rows(job, first_key=0)
+        except BaseException as exc:
+            self._resolve(job, error=exc)
+            return
+        for row in rows:
+            row.owner, row.finish, row.done = job, "abort", True
+        job.rows = rows
+        self._finish(job)
+
+    async def _pause(self, mode: PauseMode) -> None:
+        with self._cv:
+            self._frozen = mode == "keep"
+            self._cv.notify()
+        if mode == "keep":
+            # Returns at a step boundary: from here on nothing is stepped or admitted until resume().
+            await self._call(lambda: None)
+            return
+        if mode == "abort":
+            await self._abort(None)
+        await self._drained()
+
+    async def _drained(self) -> None:
+        """Until no request is queued, running or being tokenized."""
+        while True:
+            with self._cv:
+                busy = self._submitting or self._running or any(isinstance(j, _GenerateJob) for j in self._jobs)
+            if not busy:
+                return
+            await asyncio.sleep(0.005)
+
+    async def _resume(self) -> None:
+        with self._cv:
+            self._frozen = False
+            self._cv.notify()
 
     # ---- sleep -----------------------------------------------------------------------------------
     async def _sleep(self, level: int, tags: Sequence[str]) -> None:
         await self._call(lambda: self._sleep_sync(level, tags))
 
     def _sleep_sync(self, level: int, tags: Sequence[str]) -> None:
+        # Rows kept by a keep pause (or waiting for a stream's consumer) give their KV back too;
+        # they are prefilled again when they go on.
+        self._drop_kv()
         if "weights" in tags and self._weights_state == "live":
             with torch.no_grad():
                 for name, param in self._params.items():
@@ -608,6 +1028,11 @@ class TransformersEngine(Engine):
             "batches_run": self.batches_run,
             "requests_run": self.requests_run,
             "running": len(self._running),
+            "running_rows": len(self._batch.rows),
+            "pending_rows": len(self._pending),
+            "parked_rows": len(self._parked),
+            "frozen": self._frozen,
+            "stream_buffer_peak": self.stream_buffer_peak,
             "requests_cancelled": self.requests_cancelled,
         }
 
@@ -618,6 +1043,9 @@ class TransformersEngine(Engine):
             self._jobs.append(None)
             self._cv.notify()
         for job in pending:
+            if isinstance(job, _GenerateJob):
+                with self._cv:
+                    self._forget_ids(job)
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(EngineClosed("engine 'transformers' was closed before this request ran"))
         await asyncio.to_thread(self._worker.join)

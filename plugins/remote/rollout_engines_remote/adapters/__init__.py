@@ -1,8 +1,11 @@
-"""One adapter per kind of server the ``remote`` backend can drive (``options["server"]``):
+"""How the ``remote`` backend reaches each kind of server (``options["server"]``):
 
-- ``rollout``: a rollout-engines server (``rollout-engines serve``), the full engine protocol;
+- ``rollout``: a rollout-engines server (``rollout-engines serve``): a channel, one route per
+  method of the engine protocol (:mod:`.rollout`); the server's engine keeps the rules;
 - ``vllm``: a plain vLLM OpenAI server (dev-mode endpoints for the control plane);
 - ``sglang``: a plain SGLang server (its native HTTP API).
+
+Plain servers run none of the core's rules; their adapters are served as engines in this process.
 """
 
 from __future__ import annotations
@@ -19,10 +22,7 @@ KINDS = ("rollout", "vllm", "sglang")
 
 
 def make_adapter(kind: str, api: ApiClient, config: EngineConfig) -> ServerAdapter:
-    if kind == "rollout":
-        from .rollout import RolloutServerAdapter
-
-        return RolloutServerAdapter(api, config)
+    """The adapter of a plain server (``vllm`` or ``sglang``)."""
     if kind == "vllm":
         from .vllm import VllmServerAdapter
 

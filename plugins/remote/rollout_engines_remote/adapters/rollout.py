@@ -1,94 +1,142 @@
-"""Adapter for a rollout-engines server: the engine protocol maps one to one onto its endpoints."""
+"""The channel to a rollout-engines server: each method of the engine protocol is one route.
+
+The server's engine runs the core, so the ``remote`` engine is a plain
+:class:`~rollout_engines.proxy.ProxyEngine` over this channel (no rule is applied twice).
+
+==========================  =============================================================
+protocol method             route
+==========================  =============================================================
+generate, chat              ``POST /generate`` (GenerateRequest -> list[Completion])
+stream                      ``POST /generate/stream`` (server-sent events of StreamDelta)
+abort / abort_all           ``POST /abort`` ``{"request_ids": [...]}`` / ``{"all": true}``
+sleep / wake_up             ``POST /sleep`` ``{"level", "tags"}`` / ``POST /wake_up`` ``{"tags"}``
+reset_prefix_cache          ``POST /reset_prefix_cache``
+pause / resume              ``POST /pause`` ``{"mode"}`` / ``POST /resume``
+init_weight_transfer        ``POST /weights/init`` (TransportSpec)
+receive_weights             ``POST /weights/update`` (WeightManifest -> ``{"weight_version"}``)
+close_weight_transfer       ``POST /weights/close``
+info / health               ``GET /info`` / ``GET /health``
+close                       nothing: the server outlives its clients (closing one closes its connections)
+==========================  =============================================================
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import TypeAdapter
-from rollout_engines.engine import Capabilities
-from rollout_engines.types import Completion, GenerateRequest
-from rollout_engines.weights.manifest import TransportSpec, WeightManifest
+import httpx
+from rollout_engines.errors import EngineUnavailable
+from rollout_engines.proxy import Channel, WireError
+from rollout_engines.weights.manifest import manifest_from_wire
 
-from .base import ServerAdapter
+from ..api_client import ApiClient
+from ..protocol import error_from_payload
 
-_COMPLETIONS = TypeAdapter(list[Completion])
-#: Extra seconds a weight call may take beyond the transport's own timeout (queueing, apply).
-WEIGHT_MARGIN_S = 60.0
+#: method -> (HTTP method, path); bodies are made by :meth:`RolloutServerChannel._body`.
+ROUTES: dict[str, tuple[str, str]] = {
+    "generate": ("POST", "/generate"), "chat": ("POST", "/generate"),
+    "abort": ("POST", "/abort"), "abort_all": ("POST", "/abort"),
+    "sleep": ("POST", "/sleep"), "wake_up": ("POST", "/wake_up"),
+    "reset_prefix_cache": ("POST", "/reset_prefix_cache"),
+    "pause": ("POST", "/pause"), "resume": ("POST", "/resume"),
+    "init_weight_transfer": ("POST", "/weights/init"),
+    "receive_weights": ("POST", "/weights/update"),
+    "close_weight_transfer": ("POST", "/weights/close"),
+    "info": ("GET", "/info"), "health": ("GET", "/health"),
+}
+STREAM_PATH = "/generate/stream"
 
 
-class RolloutServerAdapter(ServerAdapter):
-    kind = "rollout"
-    resets_itself = True
+class RolloutServerChannel(Channel):
+    """Calls a rollout-engines server's native routes (see the module docstring)."""
 
-    def connect(self) -> None:
+    def __init__(self, api: ApiClient) -> None:
+        self.api = api
+        self.label = api.base_url
+        self.weight_receivers = 1
+        self._session: str | None = None
+
+    def connect(self) -> dict[str, Any]:
+        """The served engine's description (blocking: runs while the engine is created)."""
         info = self.api.get_sync("/info")
-        self._apply_info(info)
+        extra = dict(info.get("extra") or {})
+        self.weight_receivers = int((extra.get("server") or {}).get("weight_receivers", 1))
+        return {"backend": info.get("backend", "?"), "capabilities": dict(info.get("capabilities") or {}),
+                "weight_version": int(info.get("weight_version", 0)), "weight_receivers": self.weight_receivers,
+                "info": info}
 
-    def _apply_info(self, info: dict[str, Any]) -> None:
-        self.served = info
-        caps = dict(info.get("capabilities") or {})
-        # Workers run in the server's process(es), never in the caller's: no in-process transport.
-        caps["multi_process"] = True
-        caps["transports"] = tuple(t for t in caps.get("transports", ()) if t != "inproc")
-        known = set(Capabilities.model_fields)
-        self.capabilities = Capabilities(**{k: v for k, v in caps.items() if k in known})
-        self.weight_version = int(info.get("weight_version", 0))
-        self.weight_receivers = int((info.get("extra") or {}).get("server", {}).get("weight_receivers", 1))
+    @staticmethod
+    def _body(method: str, args: dict[str, Any]) -> Any:
+        if method in ("generate", "chat"):
+            return args["request"]
+        if method == "abort":
+            return {"request_ids": list(args["request_ids"])}
+        if method == "abort_all":
+            return {"all": True}
+        if method == "init_weight_transfer":
+            return args["spec"]
+        if method == "receive_weights":
+            return json.loads(manifest_from_wire(args["manifest"]).model_dump_json())
+        if method in ("sleep", "wake_up", "pause"):
+            return args
+        return None
 
-    async def generate(self, request: GenerateRequest, weight_version: int) -> list[Completion]:
-        resp = await self.api.request("POST", "/generate", content=request.model_dump_json(exclude_defaults=True),
-                                      raw=True)
-        return _COMPLETIONS.validate_json(resp.content)
-
-    async def sleep(self, level: int, tags: Sequence[str]) -> None:
-        await self.api.request("POST", "/sleep", json={"level": level, "tags": list(tags)})
-
-    async def wake_up(self, tags: Sequence[str]) -> None:
-        await self.api.request("POST", "/wake_up", json={"tags": list(tags)})
-
-    async def reset_prefix_cache(self) -> None:
-        await self.api.request("POST", "/reset_prefix_cache")
-
-    async def pause(self) -> None:
-        await self.api.request("POST", "/pause")
-
-    async def resume(self) -> None:
-        await self.api.request("POST", "/resume")
-
-    async def init_weight_transfer(self, spec: TransportSpec) -> None:
-        await self.api.request("POST", "/weights/init", json=spec.model_dump(mode="json"),
-                               timeout=spec.timeout_s + WEIGHT_MARGIN_S)
-        if spec.transport == "http":
-            from ..transport import Endpoint, register_endpoint  # torch only when weights move
-
-            register_endpoint(spec.session_id, Endpoint(url=self.api.base_url, headers=dict(self.api.headers),
-                                                        ranks=self.weight_receivers))
-        self._session = spec.session_id
-
-    async def receive_weights(self, manifest: WeightManifest) -> int:
-        out = await self.api.request("POST", "/weights/update", content=manifest.model_dump_json(),
-                                     timeout=manifest.timeout_s + WEIGHT_MARGIN_S)
-        self.weight_version = int(out["weight_version"])
-        return self.weight_version
-
-    async def close_weight_transfer(self) -> None:
-        session = getattr(self, "_session", None)
-        if session is not None:
+    async def call(self, method: str, args: dict[str, Any], timeout_s: float | None) -> Any:
+        if method == "close":
+            return None
+        if method == "health":
+            try:
+                out = await self.api.request("GET", "/health", timeout=min(timeout_s or 10.0, 10.0))
+            except Exception:
+                return False
+            return isinstance(out, dict) and out.get("status") == "ok"
+        if method == "close_weight_transfer" and self._session is not None:
             from ..transport import unregister_endpoint
 
-            unregister_endpoint(session, self.api.base_url)
+            unregister_endpoint(self._session, self.api.base_url)
             self._session = None
-        await self.api.request("POST", "/weights/close")
+        verb, path = ROUTES[method]
+        body = self._body(method, args)
+        out = await self.api.request(verb, path, json=body, timeout=timeout_s)
+        if method == "init_weight_transfer" and args["spec"].get("transport") == "http":
+            from ..transport import Endpoint, register_endpoint  # torch only when weights move
 
-    async def info(self) -> dict[str, Any]:
-        info = await self.api.request("GET", "/info")
-        self.weight_version = int(info.get("weight_version", self.weight_version))
-        return dict(info)
+            session = str(args["spec"]["session_id"])
+            register_endpoint(session, Endpoint(url=self.api.base_url, headers=dict(self.api.headers),
+                                                ranks=self.weight_receivers))
+            self._session = session
+        if method == "receive_weights":
+            return int(out["weight_version"])
+        if method in ("generate", "chat", "info"):
+            return out
+        return None
 
-    async def health(self) -> bool:
+    async def stream(self, request: Any, timeout_s: float | None) -> AsyncIterator[Any]:
+        where = f"POST {self.api.base_url}{STREAM_PATH}"
+        timeout = httpx.Timeout(timeout_s, connect=self.api.timeout.connect) if timeout_s else self.api.timeout
         try:
-            out = await self.api.request("GET", "/health", timeout=10.0)
-        except Exception:
-            return False
-        return isinstance(out, dict) and out.get("status") == "ok"
+            async with self.api.client().stream("POST", STREAM_PATH, json=request, timeout=timeout) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    try:
+                        payload: Any = resp.json()
+                    except ValueError:
+                        payload = resp.text
+                    raise error_from_payload(resp.status_code, payload, where)
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    item = json.loads(data)
+                    if isinstance(item, dict) and isinstance(item.get("error"), dict):
+                        raise WireError.model_validate(item["error"]).to_exception(where)
+                    yield item
+        except httpx.TimeoutException as exc:
+            raise EngineUnavailable(f"{where}: no delta in time ({type(exc).__name__})") from exc
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"{where}: the stream broke ({exc!r}); is the server running?") from exc
+        raise EngineUnavailable(f"{where}: the stream ended without [DONE]")

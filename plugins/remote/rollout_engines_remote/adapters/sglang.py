@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rollout_engines.engine import Engine
 from rollout_engines.errors import BackendNotInstalled, CapabilityError, EngineUnavailable
 from rollout_engines.types import Completion, EngineConfig, GenerateRequest
-from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 
 from ..api_client import ApiClient
 from .base import ServerAdapter
@@ -142,6 +142,9 @@ class HttpSglangRuntime:
 class SglangServerAdapter(ServerAdapter):
     """Drives a plain SGLang server with the SGLang plugin's engine logic over HTTP.
 
+    The SGLang plugin's engine (over :class:`HttpSglangRuntime`) is itself a core
+    :class:`~rollout_engines.engine.Engine`, so it is what :meth:`engine` serves: its rules, once.
+
     Options: ``tokenizer`` (local tokenizer directory, default the server's ``tokenizer_path``),
     ``model_path`` (local checkpoint for manifest validation, default the server's ``model_path``),
     ``enable_deterministic_inference`` / ``enable_weights_cpu_backup`` (say how the server was
@@ -149,7 +152,6 @@ class SglangServerAdapter(ServerAdapter):
     """
 
     kind = "sglang"
-    resets_itself = True
 
     def connect(self) -> None:
         try:
@@ -161,7 +163,7 @@ class SglangServerAdapter(ServerAdapter):
             ) from exc
         opts = self.config.options
         runtime = HttpSglangRuntime(self.api, tokenizer=opts.get("tokenizer"))
-        inner_opts = {k: opts[k] for k in ("enable_deterministic_inference", "enable_weights_cpu_backup")
+        inner_opts: dict[str, Any] = {k: opts[k] for k in ("enable_deterministic_inference", "enable_weights_cpu_backup")
                       if k in opts}
         model = str(opts.get("model_path") or runtime.model_path)
         inner_config = EngineConfig(backend="sglang", model=model, tokenizer=opts.get("tokenizer"),
@@ -170,48 +172,12 @@ class SglangServerAdapter(ServerAdapter):
         caps = self.inner.capabilities
         transports = tuple(t for t in caps.transports if t in HTTP_TRANSPORTS)
         self.capabilities = caps.model_copy(update={"transports": transports, "multi_process": True})
+        self.inner.capabilities = self.capabilities  # what this engine can do through HTTP
         self.weight_receivers = self.inner.weight_receivers()
         self.served = {"backend": "sglang", "model_path": runtime.model_path, "tp_size": runtime.tp_size}
 
+    def engine(self) -> Engine:
+        return self.inner
+
     async def generate(self, request: GenerateRequest, weight_version: int) -> list[Completion]:
-        outs = await self.inner.generate(request)
-        return [c.model_copy(update={"weight_version": weight_version}) for c in outs]
-
-    async def sleep(self, level: int, tags: Sequence[str]) -> None:
-        await self.inner.sleep(level, tags)
-
-    async def wake_up(self, tags: Sequence[str]) -> None:
-        await self.inner.wake_up(tags)
-
-    async def reset_prefix_cache(self) -> None:
-        await self.inner.reset_prefix_cache()
-
-    async def pause(self) -> None:
-        await self.inner.pause()
-
-    async def resume(self) -> None:
-        await self.inner.resume()
-
-    async def init_weight_transfer(self, spec: TransportSpec) -> None:
-        await self.inner.init_weight_transfer(spec)
-
-    async def receive_weights(self, manifest: WeightManifest) -> int:
-        return await self.inner.receive_weights(manifest)
-
-    async def close_weight_transfer(self) -> None:
-        await self.inner.close_weight_transfer()
-
-    async def info(self) -> dict[str, Any]:
-        info = await self.inner.info()
-        return {"backend": "sglang", "weight_version": info.weight_version, "healthy": info.healthy,
-                "extra": {**self.served, **info.extra}}
-
-    async def health(self) -> bool:
-        try:
-            await self.api.request("GET", "/health", timeout=10.0)
-        except Exception:
-            return False
-        return await self.inner.health()
-
-    async def close(self) -> None:
-        await self.inner.close()
+        return await self.inner.generate(request)

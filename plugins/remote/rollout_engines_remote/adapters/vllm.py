@@ -21,8 +21,9 @@ from typing import Any
 
 import httpx
 from rollout_engines.engine import Capabilities
-from rollout_engines.errors import ManifestMismatch, WeightsInvalidated, WeightSyncError
-from rollout_engines.types import Completion, FinishReason, GenerateRequest, SamplingParams
+from rollout_engines.errors import WeightSyncError
+from rollout_engines.proxy import raise_for_workers
+from rollout_engines.types import Completion, FinishReason, GenerateRequest, PauseMode, SamplingParams
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 
 from .base import ServerAdapter
@@ -53,23 +54,15 @@ def _finish(reason: Any) -> FinishReason:
     return reason if reason in ("stop", "length", "abort") else "abort"
 
 
-def worker_results(payload: Any, what: str) -> list[dict[str, Any]]:
-    """The worker extension's per-worker result dicts, or the typed error of the first failure."""
+def worker_results(payload: Any, what: str, *, applies_weights: bool = False) -> list[dict[str, Any]]:
+    """The worker extension's per-worker result dicts, or the typed error of the first failure
+    (the core's one rule for partial failures: :func:`rollout_engines.proxy.raise_for_workers`)."""
     results = payload.get("results") if isinstance(payload, dict) else None
     if not isinstance(results, list):
         raise WeightSyncError(f"{what}: /collective_rpc answered {str(payload)[:200]}")
-    parsed = [r if isinstance(r, dict) else {"ok": False, "error": "WeightSyncError", "message": str(r)}
-              for r in results]
-    failed = [(i, r) for i, r in enumerate(parsed) if not r.get("ok")]
-    if failed:
-        rank, first = failed[0]
-        kind, message = first.get("error"), first.get("message", "")
-        cls: type[WeightSyncError] = {"ManifestMismatch": ManifestMismatch,
-                                      "WeightsInvalidated": WeightsInvalidated}.get(str(kind), WeightSyncError)
-        if cls is not ManifestMismatch and len(failed) < len(parsed):
-            cls = WeightsInvalidated  # some workers applied it, others did not
-        raise cls(f"{what} failed in vLLM worker {rank}: {kind}: {message}",
-                  peer=first.get("peer"), bucket=first.get("bucket"))
+    parsed: list[dict[str, Any]] = [r if isinstance(r, dict) else {"ok": False, "error": "WeightSyncError", "message": str(r)}
+                                    for r in results]
+    raise_for_workers(parsed, what, applies_weights=applies_weights, worker="vLLM worker")
     return parsed
 
 
@@ -198,9 +191,9 @@ class VllmServerAdapter(ServerAdapter):
         if self.dev_mode is not None:
             await self.api.request("POST", "/reset_prefix_cache")
 
-    async def pause(self) -> None:
-        # keep: queued and running requests freeze and continue on /resume.
-        await self.api.request("POST", "/pause?mode=keep")
+    async def pause(self, mode: PauseMode) -> None:
+        # vLLM's modes mean what the core's do (abort / wait / keep).
+        await self.api.request("POST", f"/pause?mode={mode}")
 
     async def resume(self) -> None:
         await self.api.request("POST", "/resume")
@@ -216,7 +209,7 @@ class VllmServerAdapter(ServerAdapter):
     async def receive_weights(self, manifest: WeightManifest) -> int:
         timeout = manifest.timeout_s * (len(manifest.buckets) + 2)
         out = await self._rpc("roe_receive_weights", manifest.model_dump_json(), timeout=timeout)
-        worker_results(out, f"weight update v{manifest.version}")
+        worker_results(out, f"weight update v{manifest.version}", applies_weights=True)
         return manifest.version
 
     async def close_weight_transfer(self) -> None:
