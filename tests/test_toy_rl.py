@@ -27,3 +27,13 @@ def test_reward_rises_with_push_and_not_without(tiny_model, transport):
     assert learned["last_reward"] > 0.8, learned["rewards"]
     control = toy.main([*common, "--no-push"])
     assert control["last_reward"] < 0.05, control["rewards"]
+
+
+def test_delta_pushes_send_under_a_third_of_the_bytes_and_still_learn(tiny_model):
+    toy = load_example()
+    run = toy.main(["--model", str(tiny_model), "--transport", "gloo", "--steps", "13", "--json",
+                    "--delta", "--freeze-embeddings"])
+    assert run["last_reward"] > 0.5, run["rewards"]
+    assert run["bytes_sent"][0] >= run["full_bytes_per_step"]  # the first push is full
+    assert run["bytes_ratio"] <= 0.3, run
+    assert max(run["bytes_sent"][1:]) <= 0.3 * run["full_bytes_per_step"]

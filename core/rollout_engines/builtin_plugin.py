@@ -21,6 +21,7 @@ def register_backends(register: Callable[[BackendSpec], None]) -> None:
             requires=("torch", "transformers"),
             description="Embedded engine on transformers model code (CPU or one GPU).",
             capabilities={"sleep_levels": [1, 2], "transports": ["inproc", "gloo", "nccl", "shm", "disk", "cuda_ipc"]},
+            generate_baseline="rollout_engines.bench.baselines:transformers_generate",
         )
     )
 

@@ -3,7 +3,7 @@
     rollout-engines backends [--json]
     rollout-engines demo [--backend transformers] [--model PATH] [--engines N] [--ray] [--json]
     rollout-engines check --backend NAME [--model PATH]
-    rollout-engines bench weight-sync|generate|group|push ... --json
+    rollout-engines bench weight-sync|generate|group|push|async ... --json
     rollout-engines serve --backend NAME --model PATH [--host H] [--port P] [--api-key K]
 
 Heavy libraries (torch, vllm, ray, fastapi) are imported only by the subcommand that needs them.
@@ -25,6 +25,7 @@ BENCHES = {
     "generate": "rollout_engines.bench.generate",
     "group": "rollout_engines.bench.group",
     "push": "rollout_engines.bench.push",
+    "async": "rollout_engines.bench.async_",
 }
 
 

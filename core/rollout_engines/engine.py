@@ -32,7 +32,16 @@ from .errors import (
     WeightsInvalidated,
     WeightSyncError,
 )
-from .types import Completion, EngineConfig, EngineInfo, GenerateRequest, PauseMode, StreamDelta
+from .types import (
+    Completion,
+    Diagnostics,
+    EngineConfig,
+    EngineInfo,
+    GenerateRequest,
+    LastReceive,
+    PauseMode,
+    StreamDelta,
+)
 from .weights.manifest import TransportSpec, WeightManifest
 
 logger = logging.getLogger("rollout_engines")
@@ -150,6 +159,9 @@ class EngineProtocol(abc.ABC):
     async def health(self) -> bool: ...
 
     @abc.abstractmethod
+    async def diagnostics(self, fingerprint: bool = False) -> Diagnostics: ...
+
+    @abc.abstractmethod
     async def close(self) -> None: ...
 
     # ---- plain attributes every engine has -----------------------------------------------------
@@ -199,6 +211,9 @@ class Engine(EngineProtocol):
         self._weight_update_lock = threading.Lock()
         #: The update being received: (version, monotonic start, its timeout), else None.
         self._receiving: tuple[int, float, float] | None = None
+        #: Set by backends that measure them; read through :meth:`diagnostics`.
+        self._last_receive: LastReceive | None = None
+        self._last_reset_s: float | None = None
 
     # ---- backend hooks -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -248,6 +263,14 @@ class Engine(EngineProtocol):
 
     def _extra_info(self) -> dict[str, Any]:
         return {}
+
+    async def _diagnostics(self, fingerprint: bool) -> Diagnostics:
+        """What :meth:`diagnostics` answers. Backends extend it (``model_copy(update=...)`` of this
+        one) with what they know: platform, weights dtype, a weights fingerprint when asked."""
+        return Diagnostics(
+            backend=self.backend_name, weight_version=self.weight_version,
+            last_receive=self._last_receive, last_reset_s=self._last_reset_s,
+        )
 
     def _outstanding_count(self) -> int:
         return self._outstanding
@@ -341,11 +364,17 @@ class Engine(EngineProtocol):
         self._check_usable()
         request = self._with_ids(request)
         self._outstanding += 1
+        inner = self._stream(request)
         try:
-            async for delta in self._stream(request):
+            async for delta in inner:
                 yield delta
         finally:
             self._outstanding -= 1
+            # A caller that stops early ends the backend's stream now (its requests are cancelled),
+            # not whenever the event loop collects the generator.
+            aclose = getattr(inner, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Finish these requests now: each returns (or streams its last delta) promptly with
@@ -504,6 +533,15 @@ class Engine(EngineProtocol):
     async def health(self) -> bool:
         """Alive: not closed, and no weight update stuck past its timeout."""
         return not self._closed and not self._receive_stuck()
+
+    async def diagnostics(self, fingerprint: bool = False) -> Diagnostics:
+        """Where the engine's time went lately (the last weight update by phase and worker, the last
+        prefix-cache reset) and what its weights are (platform, dtype). Cheap, except that
+        ``fingerprint=True`` also asks the engine for a fingerprint of its weights, where it can
+        make one without generating (e.g. vLLM on CUDA: every worker's parameter sums)."""
+        if fingerprint:
+            self._check_not_closed()
+        return await self._diagnostics(fingerprint)
 
     async def close(self) -> None:
         """Free everything. Idempotent."""

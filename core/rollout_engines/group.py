@@ -61,7 +61,6 @@ healthy member, and members that missed a push rejoin as described above.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import zlib
 from collections import OrderedDict, deque
@@ -397,47 +396,198 @@ class EngineGroup(Engine):
         assert task is not None
         if self._health_task is None and self.health_interval_s is not None:
             self._ensure_started()
-        while True:
-            member, queue = self._pick(request)
-            if member is None or queue:  # no slot, or requests queued ahead of this one
-                if deadline is None and self.wait_timeout_s is not None:
-                    deadline = asyncio.get_running_loop().time() + self.wait_timeout_s
-                member = await self._wait(request, deadline)
-            member.outstanding += 1
-            member.inflight.add(task)
-            try:
-                result = await member.engine.generate(request)
-            except asyncio.CancelledError:
-                if not (self._evicted and self._take_eviction(task)):
-                    raise  # the caller cancelled
-                error: BaseException = EngineUnavailable(f"member {member.index} was marked down")
-            except CLIENT_ERRORS:
-                if self._evicted:
-                    self._take_eviction(task)
-                raise
-            except Exception as exc:
-                if self._evicted:
-                    self._take_eviction(task)
-                error = exc
-            else:
-                if self._evicted:  # the engine answered although the group cancelled it
-                    self._take_eviction(task)
-                member.completed += 1
-                return result
-            finally:
-                member.inflight.discard(task)
-                member.outstanding -= 1
-                self._release(member)
-            if not await self._is_engine_failure(member, error):
-                raise error
-            failures += 1
-            if failures >= self.max_attempts:
-                raise EngineUnavailable(
-                    f"request failed on {failures} engines of the group; last error: {error!r}"
-                ) from error
-            self.retried += 1
-            logger.debug("retrying a request after member %d failed: %r", member.index, error)
+        ids = request.request_ids or ()
+        prefer = self._producer(request) if request.continue_from is not None else None
+        self._enter(ids)
+        try:
+            while True:
+                member, queue = self._pick(request, prefer)
+                if member is None or queue:  # no slot, or requests queued ahead of this one
+                    if deadline is None and self.wait_timeout_s is not None:
+                        deadline = asyncio.get_running_loop().time() + self.wait_timeout_s
+                    member = await self._wait(request, deadline, prefer)
+                killer = self._route(ids, member)
+                member.outstanding += 1
+                member.inflight.add(task)
+                try:
+                    result = await member.engine.generate(request)
+                except asyncio.CancelledError:
+                    if not (self._evicted and self._take_eviction(task)):
+                        raise  # the caller cancelled
+                    error: BaseException = EngineUnavailable(f"member {member.index} was marked down")
+                except CLIENT_ERRORS:
+                    if self._evicted:
+                        self._take_eviction(task)
+                    raise
+                except Exception as exc:
+                    if self._evicted:
+                        self._take_eviction(task)
+                    error = exc
+                else:
+                    if self._evicted:  # the engine answered although the group cancelled it
+                        self._take_eviction(task)
+                    member.completed += 1
+                    for c in result:
+                        self._remember(c.request_id, member)
+                    return result
+                finally:
+                    if killer is not None:
+                        killer.cancel()
+                    member.inflight.discard(task)
+                    member.outstanding -= 1
+                    self._release(member)
+                if not await self._is_engine_failure(member, error):
+                    raise error
+                failures += 1
+                if failures >= self.max_attempts:
+                    raise EngineUnavailable(
+                        f"request failed on {failures} engines of the group; last error: {error!r}"
+                    ) from error
+                self.retried += 1
+                logger.debug("retrying a request after member %d failed: %r", member.index, error)
+                self._ensure_started()
+                self._enter(ids)  # waiting in the group again
+        finally:
+            self._leave(ids)
+
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        """Routed like :meth:`_generate`; the whole stream stays on one member. A member that fails
+        before its first delta is retried elsewhere; one that fails after it ends the stream with
+        the error (the deltas already delivered cannot be taken back)."""
+        deadline = None
+        failures = 0
+        if self._health_task is None and self.health_interval_s is not None:
             self._ensure_started()
+        ids = request.request_ids or ()
+        prefer = self._producer(request) if request.continue_from is not None else None
+        self._enter(ids)
+        try:
+            while True:
+                member, queue = self._pick(request, prefer)
+                if member is None or queue:
+                    if deadline is None and self.wait_timeout_s is not None:
+                        deadline = asyncio.get_running_loop().time() + self.wait_timeout_s
+                    member = await self._wait(request, deadline, prefer)
+                killer = self._route(ids, member)
+                member.outstanding += 1
+                delivered = False
+                deltas = member.engine.stream(request)
+                try:
+                    async for delta in deltas:
+                        delivered = True
+                        if delta.finish_reason is not None:  # this sequence is done: not abortable
+                            self._owners.pop(delta.request_id, None)
+                            self._remember(delta.request_id, member)
+                        yield delta
+                except CLIENT_ERRORS:
+                    raise
+                except Exception as exc:
+                    error: BaseException = exc
+                else:
+                    member.completed += 1
+                    return
+                finally:
+                    if killer is not None:
+                        killer.cancel()
+                    member.outstanding -= 1
+                    self._release(member)
+                    close = getattr(deltas, "aclose", None)  # the member's stream ends with ours
+                    if close is not None:
+                        await close()
+                if not await self._is_engine_failure(member, error):
+                    raise error
+                if delivered:
+                    raise EngineUnavailable(
+                        f"member {member.index} failed in the middle of a stream: {error!r}"
+                    ) from error
+                failures += 1
+                if failures >= self.max_attempts:
+                    raise EngineUnavailable(
+                        f"stream failed on {failures} engines of the group; last error: {error!r}"
+                    ) from error
+                self.retried += 1
+                self._ensure_started()
+                self._enter(ids)
+        finally:
+            self._leave(ids)
+
+    # ---- request ids: abort routing and continuation ---------------------------------------------
+    def _enter(self, ids: Sequence[str]) -> None:
+        """These ids wait in the group (for a slot or a member)."""
+        owners = self._owners
+        for rid in ids:
+            owners[rid] = None
+
+    def _route(self, ids: Sequence[str], member: _Member) -> asyncio.Task[None] | None:
+        """These ids run on ``member`` now. Ids aborted while they waited are aborted there as soon
+        as the member knows them: returns the task that does it (cancel it once the request ended)."""
+        owners = self._owners
+        for rid in ids:
+            owners[rid] = member
+        if not self._abort_on_arrival:
+            return None
+        doomed = [rid for rid in ids if rid in self._abort_on_arrival]
+        if not doomed:
+            return None
+        self._abort_on_arrival.difference_update(doomed)
+        return asyncio.get_running_loop().create_task(self._abort_on(member, doomed))
+
+    async def _abort_on(self, member: _Member, ids: list[str]) -> None:
+        # The engine may take a moment to register the request (an engine in another process):
+        # an abort of an id it does not know yet is a no-op, so repeat until the request ended.
+        delay = 0.0
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await member.engine.abort(ids)
+            except Exception as exc:
+                logger.debug("engine group: abort on member %d failed: %r", member.index, exc)
+                return
+            delay = min(0.05, delay * 2 or 0.002)
+
+    def _leave(self, ids: Sequence[str]) -> None:
+        owners, doomed = self._owners, self._abort_on_arrival
+        for rid in ids:
+            owners.pop(rid, None)
+            doomed.discard(rid)
+
+    def _remember(self, request_id: str, member: _Member) -> None:
+        if not request_id:
+            return
+        produced = self._produced
+        produced[request_id] = member.index
+        produced.move_to_end(request_id)
+        while len(produced) > self.remembered_completions:
+            produced.popitem(last=False)
+
+    def _producer(self, request: GenerateRequest) -> _Member | None:
+        """The serving member that produced one of the completions ``request`` continues."""
+        for prior in request.continue_from or ():
+            index = self._produced.get(prior.request_id)
+            if index is not None and index < len(self._members) and self._members[index].serving:
+                return self._members[index]
+        return None
+
+    async def _abort(self, request_ids: Sequence[str] | None) -> None:
+        owners = self._owners
+        if request_ids is None:
+            self._abort_on_arrival.update(rid for rid, m in owners.items() if m is None)
+            await self._fan_out(lambda e: e.abort_all(), "abort_all")
+            return
+        mine: dict[int, list[str]] = {}
+        targets: list[_Member] = []
+        for rid in request_ids:
+            if rid not in owners:
+                continue  # unknown or finished
+            m = owners[rid]
+            if m is None:
+                self._abort_on_arrival.add(rid)
+                continue
+            if id(m.engine) not in mine:
+                targets.append(m)
+            mine.setdefault(id(m.engine), []).append(rid)
+        if targets:
+            await self._fan_out(lambda e: e.abort(mine[id(e)]), "abort", members=targets)
 
     def _take_eviction(self, task: asyncio.Task[Any]) -> bool:
         """Withdraw the group's cancellation of ``task`` (its member went down); False if the
@@ -599,7 +749,7 @@ class EngineGroup(Engine):
             level, tags = self._sleep_state
             await m.engine.sleep(level, tags)
         if self._paused:
-            await m.engine.pause()
+            await m.engine.pause(self._pause_mode or "wait")
 
     # ---- fan-out -------------------------------------------------------------------------------
     async def _fan_out(

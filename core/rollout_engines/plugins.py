@@ -64,6 +64,16 @@ class BackendSpec(BaseModel):
     requires: tuple[str, ...] = Field(default=(), description="Modules that must be importable.")
     capabilities: dict[str, Any] = Field(default_factory=dict, description="Declared, for listings.")
     description: str = ""
+    generate_baseline: str | None = Field(
+        default=None,
+        description="'package.module:function' that runs `rollout-engines bench generate` against the "
+        "backend's own API (function(GenerateArgs) -> dict, see rollout_engines.bench.generate); imported "
+        "only by the benchmark. None: the benchmark reports this library's side alone.",
+    )
+
+    def load_generate_baseline(self) -> Any:
+        """The :attr:`generate_baseline` function, or None where the backend has none."""
+        return None if self.generate_baseline is None else _import_target(self.generate_baseline)
 
 
 class TransportEntry(BaseModel):

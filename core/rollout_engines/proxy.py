@@ -60,7 +60,7 @@ from .errors import (
     WeightsInvalidated,
     WeightSyncError,
 )
-from .types import Completion, EngineConfig, EngineInfo, GenerateRequest, PauseMode, StreamDelta
+from .types import Completion, Diagnostics, EngineConfig, EngineInfo, GenerateRequest, PauseMode, StreamDelta
 from .weights import manifest as manifest_module
 from .weights.manifest import TransportSpec, WeightManifest, manifest_from_wire, manifest_to_wire
 
@@ -546,6 +546,9 @@ class ProxyEngine(EngineProtocol):
             return bool(await self._call("health", self.health_timeout_s))
         except RolloutEnginesError:
             return False
+
+    async def diagnostics(self, fingerprint: bool = False) -> Diagnostics:
+        return typing.cast(Diagnostics, await self._call("diagnostics", fingerprint=fingerprint))
 
     async def close(self) -> None:
         """Close the far engine (where the channel owns it) and the channel. Idempotent."""

@@ -412,4 +412,51 @@ class EngineInfo(_Model):
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
+class ReceiveTimings(_Model):
+    """One receiver's account of one weight update, in seconds (zero where a phase did not occur)."""
+
+    validate_s: float = Field(default=0.0, description="Checking the manifest against the model.")
+    wait_s: float = Field(default=0.0, description="Waiting for buckets from the trainer.")
+    check_s: float = Field(default=0.0, description="Checksums of the buckets.")
+    apply_s: float = Field(default=0.0, description="Copies into the model.")
+    total_s: float = 0.0
+
+    @classmethod
+    def of(cls, timings: dict[str, float] | None) -> ReceiveTimings:
+        """From a :class:`~rollout_engines.weights.receiver.WeightReceiver`'s ``last_timings``
+        (``{"validate": s, "wait": s, ...}``); phases it does not name stay zero."""
+        return cls(**{f"{k}_s": float(v) for k, v in (timings or {}).items() if f"{k}_s" in cls.model_fields})
+
+    def phases(self) -> dict[str, float]:
+        """``{"validate": s, "wait": s, "check": s, "apply": s, "total": s}``."""
+        return {name.removesuffix("_s"): value for name, value in self.model_dump().items()}
+
+
+class LastReceive(_Model):
+    """Where the last weight update's time went."""
+
+    version: int = Field(description="The version the update carried.")
+    rpc_s: float | None = Field(
+        default=None, description="The round trip into the engine's worker processes as the engine saw it "
+        "(None: received in the engine's own process).")
+    workers: list[ReceiveTimings] = Field(
+        default_factory=list, description="Each worker's own account (one entry where one receiver took it).")
+
+
+class Diagnostics(_Model):
+    """What an engine measured lately and knows about its weights, for benchmarks and tests
+    (:meth:`~rollout_engines.engine.EngineProtocol.diagnostics`). ``None``: not known here."""
+
+    backend: str
+    weight_version: int
+    platform: str | None = Field(default=None, description="'cuda' or 'cpu' (where the weights live).")
+    weights_dtype: str | None = Field(default=None, description="The dtype pushes must carry ('bfloat16').")
+    last_receive: LastReceive | None = Field(default=None, description="None: no update received yet.")
+    last_reset_s: float | None = Field(
+        default=None, description="Seconds of the last prefix-cache reset (0.0: skipped, nothing was cached).")
+    weights_fingerprint: Any = Field(
+        default=None, description="With diagnostics(fingerprint=True), on engines that can tell weight states "
+        "apart without generating (a JSON value: equal states, equal fingerprints); else None.")
+
+
 GenerateRequest.model_rebuild()

@@ -525,11 +525,11 @@ async def test_timeout_above_the_ceiling_is_refused(proc_engine, states):
     # A spec or manifest that skipped validation in the trainer is checked again by the engine.
     spec = TransportSpec.model_construct(transport="shm", session_id="s" * 16, rank_offset=1, world_size=2,
                                          timeout_s=huge, options={})
-    with pytest.raises((ValidationError, RuntimeError), match="ROLLOUT_ENGINES_MAX_TIMEOUT_S"):
+    with pytest.raises((ValidationError, RuntimeError, ManifestMismatch), match="ROLLOUT_ENGINES_MAX_TIMEOUT_S"):
         await asyncio.wait_for(proc_engine.init_weight_transfer(spec), WAIT)
     good = manifest_for(states, proc_engine.weight_version + 1, "shm")
     slow = _unchecked({**good.model_dump(), "timeout_s": huge})
-    with pytest.raises((ValidationError, RuntimeError), match="ROLLOUT_ENGINES_MAX_TIMEOUT_S"):
+    with pytest.raises((ValidationError, RuntimeError, ManifestMismatch), match="ROLLOUT_ENGINES_MAX_TIMEOUT_S"):
         await asyncio.wait_for(proc_engine.receive_weights(slow), WAIT)
     assert await proc_engine.health()
     await innocent(proc_engine, 1)

@@ -15,3 +15,35 @@ def test_push_benchmark_times_pushes_that_land(tiny_model):
     assert result["original_push_restored_weights"] is True
     assert result["tensors"] > 10 and result["bytes"] > 1_000_000
     assert result["phases_median_s"]["push"] == pytest.approx(result["push_s"], rel=0.5)
+    # From the engine's diagnostics(): its receiver's own account of each push.
+    phases = result["phases_median_s"]
+    assert 0 < phases["worker_total"] <= phases["push"] and {"worker_wait", "worker_apply"} <= set(phases)
+    assert result["platform"] == "cpu" and result["fingerprint"] == "greedy tokens"
+
+
+@pytest.mark.transformers
+def test_diagnostics_after_a_push(tiny_model):
+    """``diagnostics()`` reports the last update by phase, the platform and the weights' dtype."""
+    import asyncio
+
+    import rollout_engines as roe
+    from rollout_engines.weights.checkpoint import load_checkpoint
+
+    async def go():
+        engine = await roe.acreate_engine("transformers", model=str(tiny_model), dtype="float32")
+        try:
+            before = await engine.diagnostics()
+            assert before.last_receive is None and before.platform == "cpu" and before.weights_dtype == "float32"
+            sync = await roe.connect_weight_sync([engine], "inproc")
+            try:
+                await sync.push(load_checkpoint(str(tiny_model)), version=1)
+            finally:
+                await sync.close()
+            return await engine.diagnostics(fingerprint=True)
+        finally:
+            await engine.close()
+
+    after = asyncio.run(go())
+    assert after.weight_version == 1 and after.last_receive is not None and after.last_receive.version == 1
+    assert after.last_receive.rpc_s is None and len(after.last_receive.workers) == 1
+    assert after.last_receive.workers[0].total_s > 0 and after.weights_fingerprint is None

@@ -5,13 +5,14 @@ for backends with a prefix cache, the cache reset after it). The first push pays
 (a copy plan, IPC mappings); later pushes alternate perturbed and original weights, held by the
 trainer (this process) on the transport's device. ``push_s`` is the median of pushes 2..N.
 
-Correctness is checked on the way with the engine's ``weights_fingerprint()`` when it has one
-(vLLM: the workers' parameter checksums), else its greedy tokens (exact on tiny models; real-size
-random models on a GPU are not reproducible token for token, so ``verified`` is then null):
-after a perturbed push it differs from the start, after pushing the originals it is equal again.
+Correctness is checked on the way with the weights fingerprint of the engine's
+``diagnostics(fingerprint=True)`` when it makes one (vLLM on CUDA: the workers' parameter sums),
+else its greedy tokens (exact on tiny models; real-size random models on a GPU are not reproducible
+token for token, so ``verified`` is then null): after a perturbed push it differs from the start,
+after pushing the originals it is equal again.
 
-Engines may expose ``last_receive`` (``rpc_s`` and each worker's timings) and ``last_reset_s``;
-``phases_median_s`` reports them.
+``phases_median_s`` reports what the engine's :meth:`~rollout_engines.engine.EngineProtocol.diagnostics`
+says of each push: the RPC into its workers, worker 0's own timings, the prefix-cache reset.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import json
 import statistics
 import time
 from typing import Any
+
+from ..types import Diagnostics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,18 +59,17 @@ def parse_options(args: Any) -> dict[str, Any]:
     return out
 
 
-def _phases(engine: Any, push_s: float) -> dict[str, float]:
+def _phases(diagnostics: Diagnostics, push_s: float) -> dict[str, float]:
     """One push's time by phase: the host's RPC round trip into its workers, worker 0's own account,
     the prefix-cache reset after it, and what is left (session, manifest, event-loop hops)."""
-    last = getattr(engine, "last_receive", None) or {}
-    worker = (last.get("workers") or [None])[0] or {}
+    last = diagnostics.last_receive
     out = {"push": push_s}
-    if "rpc_s" in last:
-        out["rpc"] = float(last["rpc_s"])
-    out.update({f"worker_{k}": float(v) for k, v in worker.items()})
-    reset = getattr(engine, "last_reset_s", None)
-    if reset is not None:
-        out["reset_prefix_cache"] = float(reset)
+    if last is not None and last.rpc_s is not None:
+        out["rpc"] = last.rpc_s
+    if last is not None and last.workers:
+        out.update({f"worker_{k}": v for k, v in last.workers[0].phases().items()})
+    if diagnostics.last_reset_s is not None:
+        out["reset_prefix_cache"] = diagnostics.last_reset_s
     out["outside_rpc"] = push_s - out.get("rpc", 0.0) - out.get("reset_prefix_cache", 0.0)
     return out
 
@@ -95,24 +97,28 @@ def run(args: Any) -> dict[str, Any]:
     options = {k: v for k, v in options.items() if not k.startswith("transport.")}
     engine = create_engine(backend, model=str(model), **options)
     try:
-        gpu = getattr(engine, "platform", "cuda" if torch.cuda.is_available() else "cpu") == "cuda"
+        facts = asyncio.run(engine.diagnostics())
+        gpu = (facts.platform or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
         transport = arg(args, "transport", None) or ("cuda_ipc" if gpu else "shm")
-        dtype_of = getattr(engine, "weights_dtype", None)
-        dtype = dtype_of() if dtype_of is not None else (engine.config.dtype if engine.config.dtype != "auto" else None)
-        if isinstance(dtype, str):
+        dtype_name = facts.weights_dtype or (engine.config.dtype if engine.config.dtype != "auto" else None)
+        dtype = None
+        if dtype_name is not None:
             from ..weights.buckets import torch_dtype
 
-            dtype = torch_dtype(dtype.removeprefix("torch."))
+            dtype = torch_dtype(dtype_name.removeprefix("torch."))
         device = "cuda" if transport in ("cuda_ipc", "nccl") else "cpu"
         original = {k: v.to(device) for k, v in load_checkpoint(str(model), dtype=dtype).items()}
         changed = {k: v.to(device) for k, v in perturbed(load_checkpoint(str(model), dtype=dtype)).items()}
         total_bytes = sum(t.numel() * t.element_size() for t in original.values())
         request = GenerateRequest(prompt_token_ids=[[11, 12, 13, 14]], sampling=SamplingParams(temperature=0, max_tokens=8))
-        own_print = getattr(engine, "weights_fingerprint", None)
+        own_print = False
 
         async def fingerprint() -> Any:
-            if own_print is not None:
-                return await own_print()
+            nonlocal own_print
+            weights = (await engine.diagnostics(fingerprint=True)).weights_fingerprint
+            own_print = weights is not None
+            if own_print:
+                return weights
             return [c.token_ids for c in await engine.generate(request)]
 
         async def go() -> tuple[list[float], list[dict[str, float]], bool, bool]:
@@ -130,7 +136,7 @@ def run(args: Any) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     await sync.push(tensors, version=engine.weight_version + 1)
                     times.append(time.perf_counter() - t0)
-                    phases.append(_phases(engine, times[-1]))
+                    phases.append(_phases(await engine.diagnostics(), times[-1]))
                     if between:  # as in an RL loop: rollouts fill the prefix cache between pushes
                         await engine.generate(request)
                     if i == 0:
@@ -160,7 +166,7 @@ def run(args: Any) -> dict[str, Any]:
         "best_push_s": round(min(later), 4),
         "gbps": round(total_bytes / push_s / 1e9, 2),
         "best_gbps": round(total_bytes / min(later) / 1e9, 2),
-        "fingerprint": "weights" if own_print is not None else "greedy tokens",
+        "fingerprint": "weights" if own_print else "greedy tokens",
         "perturbed_push_changed_weights": differs,
         "original_push_restored_weights": same,
         "checksum": checksum,

@@ -16,6 +16,15 @@ buffers of the state's size in this process) for the CPU transports, device-to-d
 ``cuda_ipc``/``nccl``. For ``gloo`` there is also ``raw_broadcast_gbps``: one flat buffer of the
 same size broadcast by a raw gloo group to the same number of receiver processes, and
 ``ratio_vs_raw`` = gbps / raw_broadcast_gbps.
+
+``--changed-fraction F``: a delta benchmark (:mod:`rollout_engines.weights.delta`). The warm-up push
+is full; before each timed push, ``F`` of the elements (random positions in every tensor) get new
+values, and the session sends only what changed. ``bytes`` stays the state's size (a full push's
+payload), ``bytes_sent`` is what the last push put in its buckets (per receiver, alignment included),
+``bytes_sent_ratio`` = bytes_sent / bytes, ``full_push_bytes`` the warm-up push's bucket bytes;
+``seconds`` / ``gbps`` are those of the delta pushes (gbps over the full state: effective). Receivers
+report a digest of their tensors' fingerprints, compared bit for bit with the trainer's state
+(``verified``).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..engine import Capabilities, Engine
+from ..engine import Capabilities, Engine, EngineProtocol
 from ..types import Completion, EngineConfig, GenerateRequest
 from ..weights.copies import SteadyCopier
 from ..weights.manifest import TensorSpec, TransportSpec, WeightManifest
@@ -61,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "engine that keeps serving requests meanwhile) instead of on the loop itself",
     )
     parser.add_argument(
+        "--changed-fraction", type=float, default=None, metavar="F",
+        help="delta pushes: before each timed push change this fraction of the elements (e.g. 0.02); "
+        "reports bytes_sent next to bytes",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1,
         help="torch intra-op threads in every benchmark process, baseline included (0: torch's default). "
         "On a shared, oversubscribed CPU each parallel copy waits for descheduled threads; 1 is faster there",
@@ -83,6 +97,10 @@ class _Preallocated:
 
     def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
         self.copier.copy([self.tensors[n] for n, _ in named], [t for _, t in named])
+
+    def current(self, name: str) -> torch.Tensor:
+        """The tensor as it is now (delta pushes rebuild sparse changes on top of it)."""
+        return self.tensors[name]
 
 
 class BenchReceiverEngine(Engine):
@@ -125,9 +143,12 @@ class BenchReceiverEngine(Engine):
             torch.cuda.synchronize(self.device)
 
     def _extra_info(self) -> dict[str, Any]:
+        from ..weights.delta import digest, fingerprint
+
         total = sum(float(t.double().sum()) for t in self.target.tensors.values())
         return {
-            "checksum": total, "handles_opened": getattr(self.receiver.transport, "opened", None),
+            "checksum": total,
+            "digest": digest({n: fingerprint(t) for n, t in self.target.tensors.items()}), "handles_opened": getattr(self.receiver.transport, "opened", None),
             "graph_replays": self.target.copier.replays, "chunked_graphs": self.target.copier.chunked,
             "timings": self.receiver.last_timings,
         }
@@ -202,6 +223,22 @@ def raw_gloo_broadcast_gbps(nbytes: int, receivers: int, repeats: int, threads: 
 
 
 # ---- the run ---------------------------------------------------------------------------------------
+def change_elements(state: Mapping[str, torch.Tensor], fraction: float, seed: int) -> int:
+    """Give ``fraction`` of every tensor's elements (random positions) new values; how many changed."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    changed = 0
+    with torch.no_grad():
+        for t in state.values():
+            k = round(fraction * t.numel())
+            if not k:
+                continue
+            index = torch.randint(0, t.numel(), (k,), generator=gen).to(t.device)
+            flat = t.view(-1)
+            flat[index] += 1.0
+            changed += k
+    return changed
+
+
 def make_state(size_mb: float, tensors: int, device: torch.device) -> dict[str, torch.Tensor]:
     """``tensors`` float32 tensors of about equal size (a few shapes, like a transformer's)."""
     total = int(size_mb * 2**20) // 4
@@ -232,7 +269,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "transport": args.transport, "bytes": nbytes, "tensors": len(state), "receivers": args.receivers,
         "bucket_mb": args.bucket_mb, "checksum": args.checksum, "threads": args.threads or torch.get_num_threads(),
     }
-    engines: list[Engine] = []
+    engines: list[EngineProtocol] = []
     servers = contextlib.ExitStack()
     if args.transport == "inproc":
         engines = [BenchReceiverEngine(EngineConfig(backend="bench-receiver", model="-", options={"specs": specs, "threads": args.threads}))]
@@ -256,17 +293,22 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"path": args.path} if args.transport == "disk" and args.path else {}
     if args.transport == "cuda_ipc" and args.no_direct:
         options["direct"] = False
+    fraction = args.changed_fraction
+    sent: list[int] = []
     try:
         sync = await connect_weight_sync(
             engines, args.transport, bucket_bytes=int(args.bucket_mb * 2**20) if args.bucket_mb else None,
             timeout_s=args.timeout,
-            checksum=args.checksum, options=options, progress=False,
+            checksum=args.checksum, options=options, progress=False, delta=fraction is not None,
         )
         result["bucket_mb"] = sync.bucket_bytes / 2**20
         times, baselines = [], []
         for version in range(args.repeats + 1):
+            if fraction is not None and version:
+                result["changed_elements"] = change_elements(state, fraction, seed=version)
             await sync.push(state, version=version + 1)
             times.append(sync.last_push_seconds)
+            sent.append(sync.last_push_bytes)
             # The limit, measured between pushes, so both see the same machine (load changes).
             baselines.append(memcpy_gbps(nbytes, device, repeats=2))
         infos = [await e.info() for e in engines]
@@ -277,6 +319,13 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         servers.close()
     expected = sum(float(t.double().sum()) for t in state.values())
     verified = all(abs(i.extra["checksum"] - expected) <= 1e-6 * max(1.0, abs(expected)) for i in infos)
+    if fraction is not None:
+        from ..weights.delta import digest, fingerprint
+
+        exact = digest({n: fingerprint(t) for n, t in state.items()})
+        verified = verified and all(i.extra.get("digest") == exact for i in infos)
+        result.update(changed_fraction=fraction, bytes_sent=sent[-1], full_push_bytes=sent[0],
+                      bytes_sent_ratio=round(sent[-1] / nbytes, 4), bytes_sent_per_push=sent)
     opened = [i.extra.get("handles_opened") for i in infos]
     best = min(times[1:]) if len(times) > 1 else times[0]
     gbps = nbytes / best / 1e9

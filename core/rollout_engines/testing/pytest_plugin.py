@@ -25,6 +25,7 @@ STATIC_MARKERS = {
     "remote": "needs the remote backend plugin (FastAPI server + httpx client)",
     "gpu": "needs a CUDA GPU",
     "ray": "needs Ray",
+    "interop": "drives a rollout-engines server with another framework's client or protocol",
 }
 
 

@@ -87,11 +87,38 @@ class BucketSpec(BaseModel):
     tensors: tuple[int, ...] = Field(description="Indices into WeightManifest.tensors.")
 
 
+#: Names of the two placements that carry a sparse delta of tensor ``name``: ``name + SPARSE_INDEX``
+#: (flat element indices, int32 or int64) and ``name + SPARSE_VALUE`` (the new values, the tensor's dtype).
+SPARSE_INDEX = "#idx"
+SPARSE_VALUE = "#val"
+
+
+class DeltaSpec(BaseModel):
+    """How an update relates to the session's last complete one (delta pushes, :mod:`.delta`).
+
+    ``base_version`` ``None``: the update is not a delta (a full push of a session that tracks its
+    pushes); otherwise it is applied on top of exactly that version, whose per-tensor fingerprints
+    digest to ``base_digest``: tensors it does not carry are unchanged since then, and each name in
+    ``sparse`` travels as two placements (``name#idx``, ``name#val``: flat indices and new values).
+    ``fingerprints``: the ``pos64`` checksum of the new value of every tensor the update changes.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base_version: int | None = None
+    base_digest: str = ""
+    sparse: tuple[str, ...] = ()
+    fingerprints: dict[str, int] = Field(default_factory=dict)
+
+
 class WeightManifest(BaseModel):
     """One versioned update: every tensor's name, dtype, shape and place in a bucket.
 
     ``partial``: the update carries only some of the model's tensors (refused otherwise: a push is
     complete by default). ``allow_rollback``: the version may be lower than or equal to the engine's.
+    ``delta``: set by sessions that track their pushes (``delta=True``); a manifest whose
+    ``delta.base_version`` is set carries only what changed since that version and is complete
+    once applied on top of it (receivers refuse it on any other base).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -107,6 +134,7 @@ class WeightManifest(BaseModel):
     partial: bool = False
     allow_rollback: bool = False
     options: dict[str, Any] = Field(default_factory=dict)
+    delta: DeltaSpec | None = None
 
     _timeout = field_validator("timeout_s")(classmethod(lambda cls, v: check_timeout(v)))
 
@@ -173,6 +201,7 @@ def plan_manifest(
     checksum: ChecksumKind = "pos64",
     partial: bool = False,
     allow_rollback: bool = False,
+    delta: DeltaSpec | None = None,
 ) -> WeightManifest:
     """Lay tensors out into buckets of at most ``bucket_bytes`` (a larger tensor gets its own).
     Raises :class:`ManifestMismatch` for duplicate names."""
@@ -216,6 +245,7 @@ def plan_manifest(
         checksum=checksum,
         partial=partial,
         allow_rollback=allow_rollback,
+        delta=delta,
     )
 
 
@@ -226,12 +256,23 @@ def validate_manifest(
 
     Raises :class:`ManifestMismatch` listing every problem (unknown names, wrong shapes, wrong
     dtypes, and, unless the update is partial (``partial_ok``, by default ``manifest.partial``),
-    tensors of the model it does not carry; a tied parameter is covered by any of its names).
+    tensors of the model it does not carry; a tied parameter is covered by any of its names). A delta
+    (``manifest.delta.base_version`` set) is complete on top of its base, and its sparse pieces are
+    checked against the tensor they change.
     """
+    delta = manifest.delta
     if partial_ok is None:
-        partial_ok = manifest.partial
+        partial_ok = manifest.partial or (delta is not None and delta.base_version is not None)
     problems: list[str] = []
+    sparse = set(delta.sparse) if delta is not None else set()
+    if sparse:
+        problems += _sparse_problems(manifest, expected, sparse)
     for t in manifest.tensors:
+        if sparse and t.name[-4:] in (SPARSE_INDEX, SPARSE_VALUE) and t.name[:-4] in sparse:
+            continue  # checked above
+        if t.name in sparse:
+            problems.append(f"'{t.name}' is both sent whole and as a sparse delta")
+            continue
         want = expected.get(t.name)
         if want is None:
             problems.append(f"unknown tensor '{t.name}'")
@@ -252,6 +293,31 @@ def validate_manifest(
             f"weight update v{manifest.version} rejected before applying anything: {shown}. "
             "Send tensors named, shaped and typed as the engine's model (HF checkpoint names)"
         )
+
+
+def _sparse_problems(manifest: WeightManifest, expected: Mapping[str, TensorSpec], sparse: set[str]) -> list[str]:
+    """What is wrong with the sparse pieces of a delta (pairs of 1-D index and value placements)."""
+    problems: list[str] = []
+    pieces = {t.name: t for t in manifest.tensors}
+    for name in sorted(sparse):
+        want = expected.get(name)
+        index, value = pieces.get(name + SPARSE_INDEX), pieces.get(name + SPARSE_VALUE)
+        if want is None:
+            problems.append(f"unknown tensor '{name}' (sparse delta)")
+        elif index is None or value is None:
+            problems.append(f"'{name}': a sparse delta needs both '{name}{SPARSE_INDEX}' and '{name}{SPARSE_VALUE}'")
+        elif index.dtype not in ("int32", "int64") or len(index.shape) != 1:
+            problems.append(f"'{name}{SPARSE_INDEX}': indices must be 1-D int32 or int64")
+        elif value.dtype != want.dtype or tuple(value.shape) != tuple(index.shape):
+            problems.append(f"'{name}{SPARSE_VALUE}': {value.dtype}{list(value.shape)}, expected "
+                            f"{want.dtype}{list(index.shape)} (one value of the model's dtype per index)")
+        else:
+            numel = 1
+            for d in want.shape:
+                numel *= d
+            if index.shape[0] > numel:
+                problems.append(f"'{name}': {index.shape[0]} changed elements of {numel}")
+    return problems
 
 
 def missing_names(manifest: WeightManifest, expected: Mapping[str, TensorSpec]) -> list[str]:
@@ -275,7 +341,7 @@ def specs_of(named: Sequence[tuple[str, Any]]) -> list[TensorSpec]:
 # collective_rpc) send the layout as one JSON string, and the far side parses and validates a
 # layout only when it differs from the last one it saw (a string comparison), so a steady push
 # costs neither side the hundreds of pydantic objects of a 300-tensor manifest.
-_LAYOUT_FIELDS = {"version", "session_id", "partial", "allow_rollback"}
+_LAYOUT_FIELDS = {"version", "session_id", "partial", "allow_rollback", "delta"}
 _sent: tuple[list[TensorPlacement], str] | None = None
 _received: tuple[str, WeightManifest] | None = None
 
@@ -289,8 +355,11 @@ def manifest_to_wire(manifest: WeightManifest) -> dict[str, Any]:
     else:
         layout = manifest.model_dump_json(exclude=_LAYOUT_FIELDS)
         _sent = (manifest.tensors, layout)
-    return {"version": manifest.version, "session_id": manifest.session_id, "partial": manifest.partial,
+    wire = {"version": manifest.version, "session_id": manifest.session_id, "partial": manifest.partial,
             "allow_rollback": manifest.allow_rollback, "layout": layout}
+    if manifest.delta is not None:  # changes every push: not part of the cached layout
+        wire["delta"] = manifest.delta.model_dump(mode="json")
+    return wire
 
 
 def manifest_from_wire(wire: Mapping[str, Any]) -> WeightManifest:
@@ -299,7 +368,8 @@ def manifest_from_wire(wire: Mapping[str, Any]) -> WeightManifest:
     global _received
     received = _received
     update = {"version": int(wire["version"]), "session_id": str(wire["session_id"]),
-              "partial": bool(wire.get("partial", False)), "allow_rollback": bool(wire.get("allow_rollback", False))}
+              "partial": bool(wire.get("partial", False)), "allow_rollback": bool(wire.get("allow_rollback", False)),
+              "delta": DeltaSpec.model_validate(wire["delta"]) if wire.get("delta") is not None else None}
     if received is not None and received[0] == wire["layout"]:
         return received[1].model_copy(update=update)
     import json

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ManifestMismatch, WeightsInvalidated, WeightSyncError
 from .buckets import BucketHeader, bucket_views, checksum, checksum_tensors
+from .delta import ReceivedBase, SparseRebuilder, check_base, current_reader, next_base
 from .manifest import ExpectedSpec, TensorSpec, TransportSpec, WeightManifest, validate_manifest
 from .transport import TransportReceiver
 
@@ -42,6 +43,9 @@ class WeightTarget(Protocol):
     def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
         """Load these tensors. ``owned``: they are the target's to keep (no copy needed);
         otherwise they are views of a buffer the transport reuses and must be copied."""
+
+    # Optional: ``current(name) -> torch.Tensor``, the model's tensor under ``name`` as it is now
+    # (read only). Targets that have it take sparse delta pushes (see :mod:`.delta`).
 
 
 def open_receiver(spec: TransportSpec, *, rank: int, device: torch.device | str) -> TransportReceiver:
@@ -70,10 +74,17 @@ class WeightReceiver:
         #: Where the last update's time went (seconds): validate, wait (for buckets), check
         #: (checksums), apply (copies into the model), total. Benchmarks report it.
         self.last_timings: dict[str, float] = {}
-        self._validated: tuple[object, object] | None = None
+        self._validated: tuple[object, object, bool] | None = None
+        #: The last complete state this receiver applied (version, fingerprints): what delta
+        #: pushes are checked against (None: deltas are refused until a full push of a session
+        #: that tracks its pushes). A host that swaps ``target`` for one update (a wrapper that
+        #: applies to the same model) keeps the one given here for reading current values.
+        self.delta_base: ReceivedBase | None = None
+        self._home_target = target
 
     def connect(self, spec: TransportSpec, local_rank: int = 0) -> None:
         self.close()
+        self.delta_base = None
         self.transport = open_receiver(spec, rank=spec.rank_offset + local_rank, device=self.device)
 
     def cancel(self, reason: str) -> None:
@@ -94,13 +105,22 @@ class WeightReceiver:
         start = clock()
         spent = dict.fromkeys(("validate", "wait", "check", "apply"), 0.0)
         expected = self.target.expected_specs()
-        if self._validated is None or self._validated[0] is not manifest.tensors or self._validated[1] is not expected:
+        is_delta = manifest.delta is not None and manifest.delta.base_version is not None
+        cached = self._validated
+        if cached is None or cached[0] is not manifest.tensors or cached[1] is not expected or cached[2] != is_delta:
             try:
                 validate_manifest(manifest, expected)
                 # A manifest copied from this one (same layout, next version) shares its lists.
-                self._validated = (manifest.tensors, expected)
+                self._validated = (manifest.tensors, expected, is_delta)
             except ManifestMismatch as exc:
                 rejection = exc
+        current = current_reader(self.target, self._home_target)
+        if rejection is None and is_delta:
+            try:
+                check_base(manifest, self.delta_base, current, self.label)
+            except ManifestMismatch as exc:
+                rejection = exc
+        sparse = SparseRebuilder(manifest, current) if manifest.delta is not None and manifest.delta.sparse else None
         spent["validate"] = clock() - start
         transport.begin(manifest)
         staged: list[tuple[str, torch.Tensor]] = []
@@ -128,16 +148,25 @@ class WeightReceiver:
                         if self.mode == "staged" and not owned:
                             buf, owned = buf.clone(), True
                         views = list(bucket_views(buf, placements))
+                    rebuilt: list[tuple[str, torch.Tensor]] = []
+                    if sparse is not None:  # a delta's pieces: whole tensors again (base + changes)
+                        views, rebuilt = sparse.feed(views, owned=owned)
                     if self.mode == "inplace":
                         applied_any = True
-                        self.target.apply(views, owned=owned)
+                        if views:
+                            self.target.apply(views, owned=owned)
+                        if rebuilt:
+                            self.target.apply(rebuilt, owned=True)
                     else:
                         staged.extend(views)
+                        staged.extend(rebuilt)
                     spent["apply"] += clock() - t0
                 finally:
                     transport.release(bucket.index)
             if rejection is not None:
                 raise rejection
+            if sparse is not None:
+                sparse.finish()
             if self.mode == "staged":
                 applied_any = True
                 t0 = clock()
@@ -145,7 +174,8 @@ class WeightReceiver:
                 spent["apply"] += clock() - t0
             ok = True
         except WeightSyncError as exc:
-            if applied_any and not isinstance(exc, ManifestMismatch):
+            if applied_any:
+                self.delta_base = None
                 raise WeightsInvalidated(
                     f"{self.label}: update v{manifest.version} failed after some weights were applied "
                     f"({exc}); generation is refused until a complete push", peer=exc.peer, bucket=exc.bucket
@@ -153,10 +183,13 @@ class WeightReceiver:
             raise
         except Exception as exc:
             err_cls = WeightsInvalidated if applied_any else WeightSyncError
+            if applied_any:
+                self.delta_base = None
             raise err_cls(f"{self.label}: update v{manifest.version} failed: {exc!r}") from exc
         finally:
             transport.end(manifest, ok)
         self.version = manifest.version
+        self.delta_base = next_base(manifest, self.delta_base)
         spent["total"] = clock() - start
         self.last_timings = {k: round(v, 6) for k, v in spent.items()}
         return self.version
@@ -204,6 +237,13 @@ class StateDictTarget:
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self._specs: dict[str, TensorSpec] | None = None
+        self._params: dict[str, torch.Tensor] | None = None
+
+    def current(self, name: str) -> torch.Tensor:
+        """The module's tensor under ``name`` as it is now (for sparse delta pushes; read only)."""
+        if self._params is None:  # parameters keep their objects when their storage is swapped
+            self._params = self.module.state_dict(keep_vars=True)
+        return self._params[name].detach()
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
         """Every name of the state dict; tied parameters (one tensor under several names, e.g. an

@@ -36,6 +36,7 @@ from .buckets import (
     expected_tensors,
     pack_bucket,
 )
+from .delta import DeltaBaseMismatch, DeltaPlan, DeltaTracker
 from .manifest import (
     DEFAULT_BUCKET_BYTES,
     ChecksumKind,
@@ -49,7 +50,7 @@ from .manifest import (
 from .transport import TransportSender
 
 if TYPE_CHECKING:
-    from ..engine import Engine
+    from ..engine import EngineProtocol
 
 logger = logging.getLogger("rollout_engines.weights")
 
@@ -57,7 +58,7 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
 
 
 async def connect_weight_sync(
-    engines: Sequence[Engine],
+    engines: Sequence[EngineProtocol],
     transport: str = "inproc",
     *,
     bucket_bytes: int | None = None,
@@ -65,12 +66,16 @@ async def connect_weight_sync(
     checksum: ChecksumKind = "pos64",
     options: dict[str, Any] | None = None,
     progress: bool | None = None,
+    delta: bool = False,
+    delta_device: torch.device | str | None = None,
 ) -> WeightSync:
     """Open a weight-sync session from this (trainer) process to every engine.
 
     Each engine's workers get their rank in the session (the trainer is rank 0); engines that
     cannot receive over ``transport`` fail here with a :class:`CapabilityError`, at once, before
     anything waits. ``timeout_s`` bounds every wait of the session (at most ``MAX_TIMEOUT_S``).
+    ``delta``: pushes send only what changed since the last complete one (:mod:`.delta`; the
+    session keeps a copy of the weights last sent, on each tensor's device or ``delta_device``).
     """
     from ..plugins import get_registry
 
@@ -110,7 +115,7 @@ async def connect_weight_sync(
         raise WeightSyncError(f"could not connect the '{transport}' weight sync: {first!r}") from first
     return WeightSync(
         list(engines), sender, transport=transport, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
-        checksum=checksum, progress=progress,
+        checksum=checksum, progress=progress, delta=delta, delta_device=delta_device,
     )
 
 
@@ -119,7 +124,7 @@ class WeightSync:
 
     def __init__(
         self,
-        engines: list[Engine],
+        engines: list[EngineProtocol],
         sender: TransportSender,
         *,
         transport: str,
@@ -127,12 +132,23 @@ class WeightSync:
         timeout_s: float,
         checksum: ChecksumKind,
         progress: bool | None,
+        delta: bool = False,
+        delta_device: torch.device | str | None = None,
     ) -> None:
         self.engines, self.sender, self.transport = engines, sender, transport
         self.bucket_bytes, self.timeout_s, self.checksum = bucket_bytes, timeout_s, checksum
         self.progress = progress
         self.version: int | None = None
         self.last_push_seconds = 0.0
+        #: Bytes of the last push's buckets (what crossed to each receiver, alignment included)
+        #: and of every tensor it stands for (what a full push carries); equal but for padding
+        #: unless the push was a delta.
+        self.last_push_bytes = 0
+        self.last_push_model_bytes = 0
+        #: The default of ``push(delta=...)``; the record of the last complete update, once tracking.
+        self.delta = delta
+        self.delta_device = delta_device
+        self._tracker: DeltaTracker | None = None
         self._closed = False
         self._layout: tuple[tuple[Any, ...], WeightManifest] | None = None
         #: Per bucket of the current layout: each tensor's name, dtype and shape, as torch objects.
@@ -146,6 +162,7 @@ class WeightSync:
         specs: Sequence[TensorSpec] | None = None,
         partial: bool = False,
         allow_rollback: bool = False,
+        delta: bool | None = None,
     ) -> int:
         """Send one complete update to every engine; returns ``version`` once all applied it.
 
@@ -158,6 +175,11 @@ class WeightSync:
         some), and ``version`` must be above every engine's (``allow_rollback=True`` to go back).
         Raises :class:`ManifestMismatch` (names, shapes, dtypes, completeness; :class:`StaleVersion`)
         with nothing applied, or :class:`WeightSyncError` (and subclasses) for what failed in flight.
+
+        ``delta`` (default: the session's ``delta``): send only the tensors that changed since the
+        last complete update of this session, sparse where smaller (:mod:`.delta`); the first push,
+        and the one after any failure or refusal (:class:`~.delta.DeltaBaseMismatch`), is full.
+        ``delta=False`` always sends everything (and, once the session tracks, records it as the base).
         """
         if self._closed:
             raise WeightSyncError("this weight sync session is closed; connect a new one")
@@ -170,12 +192,29 @@ class WeightSync:
                     "or pass allow_rollback=True to go back on purpose"
                 )
         items: Iterable[tuple[str, torch.Tensor]] = tensors.items() if isinstance(tensors, Mapping) else tensors
+        plan: DeltaPlan | None = None
+        if delta is None:
+            delta = self.delta
+        if delta and self._tracker is None:
+            sparse_ok = self.transport not in _WHOLE_ONLY
+            self._tracker = DeltaTracker(device=self.delta_device, sparse=sparse_ok)
+        if self._tracker is not None:
+            tracker = self._tracker
+            if delta and tracker.version is not None:
+                moved = [e for e in self.engines if e.weight_version != tracker.version]
+                if moved:  # an engine moved on another way (restarted, rejoined): no common base
+                    logger.info("push v%d: %s is on v%d, not the delta base v%d; sending a full update",
+                                version, moved[0].backend_name, moved[0].weight_version, tracker.version)
+                    delta = False
+            plan = await asyncio.to_thread(tracker.plan, list(items), delta=bool(delta), partial=partial)
+            items, specs = plan.items, None
         if specs is None:
             items = list(items)
             key: tuple[Any, ...] = tuple((n, t.dtype, t.shape) for n, t in items)
         else:
             key = tuple((s.name, s.dtype, s.shape) for s in specs)
-        flags = {"partial": partial, "allow_rollback": allow_rollback}
+        flags: dict[str, Any] = {"partial": partial, "allow_rollback": allow_rollback,
+                                 "delta": plan.spec if plan is not None else None}
         if self._layout is not None and self._layout[0] == key:
             # The same tensors as last time: the same layout, a new version (planning and
             # validating a 300-tensor manifest costs milliseconds; this costs microseconds).
@@ -200,6 +239,10 @@ class WeightSync:
         send_error = sending.exception()
         recv_results = [r.exception() for r in receivers]
         failures = [(i, r) for i, r in enumerate(recv_results) if r is not None]
+        if (failures or send_error is not None) and self._tracker is not None:
+            self._tracker.invalidate()  # the engines' states are not known alike: the next push is full
+            if any(getattr(r, "sparse_unsupported", False) for _, r in failures):
+                self._tracker.sparse = False
         if failures or send_error is not None:
             parts = []
             if send_error is not None and not (failures and self.sender.cancelled.is_set()):
@@ -209,7 +252,7 @@ class WeightSync:
             first = causes[0]
             # The most specific type every cause shares: a refused manifest stays a ManifestMismatch.
             kind: type[WeightSyncError] = WeightSyncError
-            for candidate in (StaleVersion, ManifestMismatch):
+            for candidate in (StaleVersion, DeltaBaseMismatch, ManifestMismatch):
                 if all(isinstance(c, candidate) for c in causes):
                     kind = candidate
                     break
@@ -220,9 +263,15 @@ class WeightSync:
             err.failures = failures  # type: ignore[attr-defined]
             raise err from first
         self.version = version
+        self.last_push_bytes = sum(b.nbytes for b in manifest.buckets)
+        self.last_push_model_bytes = plan.model_bytes if plan is not None else manifest.total_bytes
+        if plan is not None and self._tracker is not None:
+            await asyncio.to_thread(self._tracker.commit, plan, version=version, partial=partial)
         logger.info(
-            "pushed v%d: %.1f MB in %.3f s over %s to %d engine(s)", version, manifest.total_bytes / 1e6,
+            "pushed v%d: %.1f MB in %.3f s over %s to %d engine(s)%s", version, self.last_push_bytes / 1e6,
             self.last_push_seconds, self.transport, len(self.engines),
+            f" (delta: {len(plan.skipped)} unchanged, {len(plan.sparse)} sparse, of "
+            f"{self.last_push_model_bytes / 1e6:.1f} MB)" if plan is not None and plan.spec.base_version is not None else "",
         )
         return version
 
@@ -308,6 +357,11 @@ class WeightSync:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+
+#: Transports that send changed tensors whole in a delta push (no sparse pieces): zero-copy
+#: ``cuda_ipc`` maps the trainer's own allocations, and new index/value tensors every push would
+#: be new allocations to share; on one GPU skipping unchanged tensors is what saves time.
+_WHOLE_ONLY = frozenset({"cuda_ipc"})
 
 #: Errors an engine raises before it reads any of an update (nothing will drain the stream).
 _REFUSALS = (StaleVersion, CapabilityError, EngineAsleep, EngineClosed)

@@ -1,9 +1,12 @@
-"""``rollout-engines bench generate --backend remote``: the same batch through a server (HTTP, JSON,
-another process) and through the same backend in-process, in one run."""
+"""The remote backend's part of the benchmarks (imported only by :mod:`rollout_engines.bench`).
+
+``rollout-engines bench generate --backend remote`` (:func:`generate_baseline`, registered as the
+backend's ``generate_baseline``): the same batch through a server (HTTP, JSON, another process)
+and through the same backend in-process, in one run.
+"""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -11,7 +14,10 @@ import logging
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollout_engines.bench.generate import GenerateArgs
 
 logger = logging.getLogger("rollout_engines.remote.bench")
 
@@ -38,16 +44,20 @@ def http_receivers(specs: list[dict[str, Any]], receivers: int, threads: int) ->
         yield [create_engine("remote", model=s.url, api_key=s.api_key) for s in servers]
 
 
-def generate_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    from rollout_engines.bench.generate import batch, engine_tokens_per_s, options
+def generate_baseline(args: GenerateArgs) -> dict[str, Any]:
+    """Starts a server of ``args.served_backend`` on ``args.model`` and runs the same batch through it
+    and in-process; ``ratio`` = remote tokens/s / in-process tokens/s."""
+    from rollout_engines.bench.generate import engine_tokens_per_s
     from rollout_engines.factory import create_engine
 
     from .launch import ServerProcess
 
-    served = getattr(args, "served_backend", None) or "transformers"
-    opts = options(args)
-    request = batch(args)
-    repeats = max(1, int(getattr(args, "repeats", 3)))
+    served, model, opts = args.served_backend, args.model_path(), args.options
+    # The server parses each --option value as JSON where it can.
+    server_opts = {k: v if isinstance(v, str) else json.dumps(v) for k, v in opts.items()}
+    request = args.batch()
+    repeats = args.repeats
+
     async def rounds(engine: Any) -> tuple[float, int]:
         best, tokens = 0.0, 0
         for _ in range(repeats):
@@ -56,7 +66,7 @@ def generate_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         return best, tokens
 
     with tempfile.TemporaryDirectory() as tmp:
-        server = ServerProcess(served, str(args.model), options=opts, log=Path(tmp) / "server.log")
+        server = ServerProcess(served, model, options=server_opts, log=Path(tmp) / "server.log")
         with server:
             async def both() -> tuple[float, float | None, int, bool]:
                 remote: Any = create_engine("remote", model=server.url, api_key=server.api_key)  # a RemoteEngine
@@ -68,7 +78,7 @@ def generate_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     if separate:
                         best_remote, tokens = await rounds(remote)
                         return best_remote, None, tokens, True
-                    direct = await asyncio.to_thread(create_engine, served, str(args.model), **opts)
+                    direct = await asyncio.to_thread(create_engine, served, model, **opts)
                     try:
                         await direct.generate(request)
                         best_remote = best_direct = 0.0
@@ -89,7 +99,7 @@ def generate_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     if direct_tps is None:  # the server has exited: the in-process engine has the machine to itself
         async def direct_side() -> float:
-            engine = await asyncio.to_thread(create_engine, served, str(args.model), **opts)
+            engine = await asyncio.to_thread(create_engine, served, model, **opts)
             try:
                 await engine.generate(request)
                 return (await rounds(engine))[0]

@@ -77,12 +77,3 @@ class RemoteEngine(ProxyEngine):
             await super().close()
         finally:
             await self.api.aclose()
-
-    @staticmethod
-    def generate_benchmark(args: Any) -> dict[str, Any]:
-        """``rollout-engines bench generate --backend remote``: starts a server of
-        ``args.served_backend`` (default ``transformers``) on ``args.model`` and runs the same batch
-        through it and in-process; ``ratio`` = remote tokens/s / in-process tokens/s."""
-        from .bench import generate_benchmark
-
-        return generate_benchmark(args)

@@ -21,6 +21,7 @@ def register_backends(register: Callable[[BackendSpec], None]) -> None:
             requires=("httpx",),
             description="A rollout-engines server, a plain vLLM server or a plain SGLang server over HTTP.",
             capabilities={"transports": ["http"], "multi_process": True},
+            generate_baseline="rollout_engines_remote.bench:generate_baseline",
         )
     )
 

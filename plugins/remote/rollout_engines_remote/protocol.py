@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout_engines import errors as core_errors
 from rollout_engines.errors import RolloutEnginesError
+from rollout_engines.proxy import FarEngineError, WireError
+from rollout_engines.types import MAX_REQUEST_ID_CHARS, MAX_SEQUENCES, PauseMode
 
 #: Environment variable holding the API key (server and client), instead of a command-line flag.
 API_KEY_ENV = "ROLLOUT_ENGINES_API_KEY"
@@ -67,6 +69,28 @@ class AbortBody(_Body):
     reason: str = ""
 
 
+class AbortRequestsBody(_Body):
+    """``POST /abort``: end these running requests (``request_ids``, the ids of
+    ``GenerateRequest.request_ids``), or every running request (``all: true``)."""
+
+    request_ids: list[Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]] | None = Field(
+        default=None, max_length=MAX_SEQUENCES)
+    all: bool = False
+
+    @model_validator(mode="after")
+    def _one_target(self) -> AbortRequestsBody:
+        if self.all == (self.request_ids is not None):
+            raise ValueError("give either request_ids (a list of request ids) or all=true")
+        return self
+
+
+class PauseBody(_Body):
+    """``POST /pause``: ``wait`` (default) lets in-flight requests finish, ``abort`` ends them now,
+    ``keep`` freezes them until ``/resume``; the engine's ``pause_modes`` capability says which it serves."""
+
+    mode: PauseMode = "wait"
+
+
 class OkBody(BaseModel):
     ok: bool = True
     weight_version: int | None = None
@@ -101,7 +125,7 @@ class RemoteError(RolloutEnginesError):
         self.status, self.type, self.param = status, type, param
 
 
-class RemoteRequestInvalid(RemoteError, ValueError):
+class RemoteRequestInvalid(RemoteError, core_errors.InvalidRequest):
     """The server rejected the request as invalid (400/404/413/422): fix the request."""
 
 
@@ -115,13 +139,6 @@ class RemoteForbidden(RemoteError, PermissionError):
     ``--weights-root``; 421, a Host name it does not answer to): change the request or the server's flags."""
 
 
-_TYPED = {
-    name: getattr(core_errors, name)
-    for name in ("InvalidRequest", "CapabilityError", "EngineAsleep", "EngineClosed", "EngineUnavailable", "WeightSyncError",
-                 "ManifestMismatch", "WeightsInvalidated")
-}
-
-
 def error_from_payload(status: int, payload: Any, where: str) -> Exception:
     """The exception a client raises for an error response (typed when the server sent a core type)."""
     detail = payload.get("error") if isinstance(payload, dict) else None
@@ -130,9 +147,12 @@ def error_from_payload(status: int, payload: Any, where: str) -> Exception:
         detail = {"type": f"HTTP{status}", "message": text or f"HTTP {status}"}
     kind, message = str(detail.get("type", "")), f"{where}: {detail.get('message', '')}"
     param = detail.get("param")
-    cls = _TYPED.get(kind)
-    if cls is not None:
-        return cls(message)
+    if kind and kind != "ValidationError":
+        # The core's one error wire format: the same class where it is one of ours (peer and
+        # bucket kept where the server sends them).
+        typed = WireError.model_validate({**detail, "type": kind, "message": message}).to_exception(where)
+        if isinstance(typed, RolloutEnginesError) and not isinstance(typed, FarEngineError):
+            return typed
     if status == 401:
         return RemoteAuthError(message, status=status, type=kind, param=param)
     if status in (403, 421):

@@ -79,7 +79,7 @@ def parse_frame_header(raw: bytes) -> tuple[dict[str, str], int]:
 
 
 def frame_chunks(buf: torch.Tensor, chunk: int = 2**20) -> Iterator[memoryview]:
-    view = memoryview(buf.numpy()).cast("B")
+    view = buf.numpy().data.cast("B")
     for start in range(0, len(view), chunk):
         yield view[start : start + chunk]
 

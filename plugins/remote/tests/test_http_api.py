@@ -61,7 +61,7 @@ def test_oversized_body_is_413(thread_server):
         ("/generate", {"prompt_token_ids": [[1]], "sampling": {"seed": 2**70}}, "sampling.seed"),
         ("/generate", {"messages": [[]]}, "messages.0"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-        ("/v1/completions", {"prompt": "hi", "stream": True}, "stream"),
+        ("/v1/completions", {"prompt": "hi", "stream": True, "echo": True}, "echo"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ("/sleep", {"level": "deep"}, "level"),
         ("/weights/init", {"session_id": "s"}, "transport"),

@@ -1,49 +1,43 @@
-"""Generation overhead of :class:`VllmEngine` over raw vLLM, measured in one run.
+"""The vLLM backend's part of the benchmarks (imported only by :mod:`rollout_engines.bench`).
 
-One engine is started; the same batch (token-id prompts, greedy, ``ignore_eos`` so every prompt
-yields exactly ``max_tokens`` tokens) goes alternately through its ``AsyncLLM`` directly and
-through ``VllmEngine.generate``. Rounds alternate so load from other processes hits both alike;
-the best round of each is compared (the machine can only slow a run down, never speed it up).
+``rollout-engines bench generate --backend vllm`` (:func:`generate_baseline`, registered as the
+backend's ``generate_baseline``): generation overhead of :class:`VllmEngine` over raw vLLM,
+measured in one run. One engine is started; the same batch (token-id prompts, greedy,
+``ignore_eos`` so every prompt yields exactly ``max_tokens`` tokens) goes alternately through its
+``AsyncLLM`` directly and through ``VllmEngine.generate``. Rounds alternate so load from other
+processes hits both alike; the best round of each is compared (the machine can only slow a run
+down, never speed it up).
+
+``python -m rollout_engines_vllm.bench {generate,push} ...`` is ``rollout-engines bench
+{generate,push} --backend vllm ...``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import random
 import statistics
+import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rollout_engines.bench.push import arg as _get
-from rollout_engines.bench.push import parse_options as _options
+if TYPE_CHECKING:
+    from rollout_engines.bench.generate import GenerateArgs
 
 
-def run_generate_benchmark(engine_cls: Any, args: Any) -> dict[str, Any]:
+def generate_baseline(args: GenerateArgs) -> dict[str, Any]:
     from rollout_engines.factory import create_engine
-    from rollout_engines.types import GenerateRequest, SamplingParams
 
-    model = _get(args, "model", None)
-    if model is None:
-        from rollout_engines.testing.tiny_model import tiny_model_path
+    from .engine import VllmEngine
 
-        model = str(tiny_model_path())
-    batch = int(_get(args, "prompts", 64))
-    max_tokens = int(_get(args, "max_tokens", 64))
-    rounds = int(_get(args, "repeats", 3))
-    prompt_len = int(_get(args, "prompt_len", 32))
-    options = _options(args)
-
-    engine = create_engine("vllm", model=str(model), **options)
-    assert isinstance(engine, engine_cls)
+    model = args.model_path()
+    batch, max_tokens, rounds = args.prompts, args.max_tokens, args.repeats
+    engine = create_engine("vllm", model=model, **args.options)
+    assert isinstance(engine, VllmEngine)
     try:
-        vocab = int(engine._tokenizer.vocab_size)
-        rng = random.Random(0)
-        prompts = [[rng.randrange(10, vocab) for _ in range(prompt_len)] for _ in range(batch)]
-        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        request = GenerateRequest(prompt_token_ids=prompts, sampling=sampling)
-        llm = engine._llm
-        vparams = engine._vllm_sampling(sampling, None)
+        request = args.batch(vocab=int(engine.tokenizer.vocab_size))
+        prompts = request.prompt_token_ids or []
+        llm = engine.async_llm
+        vparams = engine.vllm_sampling_params(request.sampling)
 
         async def direct() -> tuple[int, float]:
             start = time.perf_counter()
@@ -64,14 +58,14 @@ def run_generate_benchmark(engine_cls: Any, args: Any) -> dict[str, Any]:
 
         async def main() -> dict[str, list[float]]:
             await through_engine()  # warm-up (first batch pays one-time costs)
-            engine._sync(direct)
+            engine.run_on_engine_loop(direct)
             rates: dict[str, list[float]] = {"direct": [], "engine": []}
             tokens = {"direct": 0, "engine": 0}
             for r in range(rounds):
                 order = ("direct", "engine") if r % 2 == 0 else ("engine", "direct")
                 for name in order:
                     # raw vLLM runs on the engine's own loop, as a direct user's code would
-                    n, secs = engine._sync(direct) if name == "direct" else await through_engine()
+                    n, secs = engine.run_on_engine_loop(direct) if name == "direct" else await through_engine()
                     tokens[name] = n
                     rates[name].append(n / secs)
             if tokens["direct"] != tokens["engine"]:
@@ -101,46 +95,16 @@ def run_generate_benchmark(engine_cls: Any, args: Any) -> dict[str, Any]:
     }
 
 
-def run_push_benchmark(args: Any) -> dict[str, Any]:
-    """Weight pushes into a running vLLM engine (``rollout-engines bench push --backend vllm``; see
-    :mod:`rollout_engines.bench.push`). On CUDA the first push also learns the copy plan."""
-    from rollout_engines.bench.push import run
-
-    if isinstance(args, dict):
-        args = {**args, "backend": "vllm"}
-    else:
-        args.backend = "vllm"
-    return run(args)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """``python -m rollout_engines_vllm.bench {generate,push} [--json] ...``"""
-    import argparse
+    """``python -m rollout_engines_vllm.bench {generate,push} [--json] ...``: the core's benchmark
+    with ``--backend vllm``."""
+    from rollout_engines.cli import main as cli_main
 
-    parser = argparse.ArgumentParser(prog="python -m rollout_engines_vllm.bench")
-    sub = parser.add_subparsers(dest="what", required=True)
-    p = sub.add_parser("generate")
-    p.add_argument("--model", default=None)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--option", action="append", default=[], metavar="K=V", help="engine option")
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p = sub.add_parser("push")
-    p.add_argument("--json", action="store_true")
-    from rollout_engines.bench.push import add_arguments
-
-    add_arguments(p)
-    args = parser.parse_args(argv)
-    if args.what == "generate":
-        from .engine import VllmEngine
-
-        result = run_generate_benchmark(VllmEngine, args)
-    else:
-        result = run_push_benchmark(args)
-    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
-    return 0
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("generate", "push"):
+        print("usage: python -m rollout_engines_vllm.bench {generate,push} [--json] ...", file=sys.stderr)
+        return 2
+    return cli_main(["bench", argv[0], "--backend", "vllm", *argv[1:]])
 
 
 if __name__ == "__main__":

@@ -16,6 +16,15 @@ Shape of a running engine::
   and gloo groups work the same in both modes.
 - Weights arrive in every worker through :mod:`.worker_ext`; the driver calls it with
   ``collective_rpc`` as an async task, concurrently with the trainer's send.
+- Async RL: every prompt x sample is its own vLLM request (n=1, seed ``seed + i * n + k``, as vLLM
+  seeds the samples of one request) under the caller's request id, so ``abort`` ends exactly the
+  sequences named (vLLM answers an abort with the tokens made so far, ``finish_reason="abort"``).
+  ``stream`` reads vLLM's delta outputs (``RequestOutputKind.DELTA``). ``pause("keep")`` is vLLM's
+  ``pause_generation(mode="keep")``; after a push the kept requests are preempted by the prefix
+  cache reset and recomputed under the new weights on resume. vLLM labels every output token with
+  the weight version it was sampled under (``update_weight_version`` after each push), which gives
+  ``token_weight_versions``. ``pause("abort")`` / ``pause("wait")`` abort by id / drain here.
+  ``continue_from`` submits prompt + earlier tokens as the prompt and merges the outputs.
 """
 
 from __future__ import annotations
@@ -26,9 +35,9 @@ import logging
 import os
 import threading
 import time
-import uuid
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,12 +50,18 @@ from rollout_engines.errors import (
     WeightsInvalidated,
 )
 from rollout_engines.types import (
+    MAX_LOGPROBS,
     Completion,
+    Diagnostics,
     EngineConfig,
     FinishReason,
     GenerateRequest,
+    LastReceive,
     PauseMode,
+    ReceiveTimings,
     SamplingParams,
+    StreamDelta,
+    TokenLogprob,
 )
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest, manifest_to_wire
 
@@ -106,20 +121,12 @@ class VllmOptions(BaseModel):
         description="CUDA: learn where each tensor lands on the first push, then load later pushes "
         "by direct copies (rollout_engines_vllm.copy_plan) instead of vLLM's per-tensor loaders.",
     )
-    pause_mode: Literal["keep", "wait", "abort"] = Field(
-        default="keep", description="What pause() does to in-flight requests (vLLM's pause_generation mode)."
+    pause_mode: Literal["keep", "wait", "abort"] | None = Field(
+        default=None, description="Deprecated and ignored: pause(mode) says what happens to in-flight requests."
     )
     cache_root: str | None = Field(default=None, description="VLLM_CACHE_ROOT (compile caches).")
     hf_offline: bool = Field(default=True, description="HF_HUB_OFFLINE=1 (unless set) when the model is a local directory.")
     log_stats: bool = False
-
-
-def _filter_kwargs(fn: Callable[..., Any], **kwargs: Any) -> dict[str, Any]:
-    """The keyword arguments ``fn`` accepts (vLLM's signatures change between releases)."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def checkpoint_dtype(model: str) -> str | None:
@@ -142,6 +149,20 @@ def checkpoint_dtype(model: str) -> str | None:
     return None
 
 
+def _vllm_pause_modes() -> tuple[PauseMode, ...]:
+    """``abort`` and ``wait`` are this engine's own (abort by request id, then drain); ``keep`` is
+    vLLM's ``pause_generation(mode="keep")``, with vLLM's per-token weight-version labels (both in
+    vLLM 0.32), so that a completion across a push records which tokens which weights made."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    pause = getattr(AsyncLLM, "pause_generation", None)
+    keep = (
+        pause is not None and "mode" in inspect.signature(pause).parameters
+        and hasattr(AsyncLLM, "update_weight_version")
+    )
+    return ("abort", "wait", "keep") if keep else ("abort", "wait")
+
+
 def _client_errors() -> tuple[type[BaseException], ...]:
     """Exception types vLLM raises for a request that does not fit the model (bad input)."""
     kinds: list[type[BaseException]] = [ValueError]
@@ -154,12 +175,53 @@ def _client_errors() -> tuple[type[BaseException], ...]:
     return tuple(kinds)
 
 
+def _top_list(step: Any) -> list[TokenLogprob]:
+    """One position of vLLM logprobs (token id -> Logprob: the top k and the chosen token), most
+    likely first."""
+    items = [TokenLogprob(token_id=int(t), logprob=float(lp.logprob)) for t, lp in step.items()]
+    items.sort(key=lambda t: t.logprob, reverse=True)
+    return items
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One prompt x sample: one vLLM request under the caller's request id, and what it made."""
+
+    rid: str
+    prompt_index: int
+    sample_index: int
+    prompt: dict[str, Any]  # vLLM's prompt input (prompt + earlier tokens for a continuation)
+    params: Any  # vLLM SamplingParams
+    prompt_len: int | None  # tokens of the caller's prompt when ``prompt`` also holds earlier ones
+    prior: Completion | None
+    want_logprobs: bool
+    want_top: bool
+    prompt_top_k: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[TokenLogprob]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    prompt_ids: list[int] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top: list[list[TokenLogprob]] | None = None
+    finish: FinishReason | None = None
+    delivered: int = 0  # tokens a stream has handed out
+    final_sent: bool = False
+    started: bool = False  # generate() was called in vLLM
+    aborted: bool = False
+    done: bool = False
+
+
 class VllmEngine(Engine):
     """A vLLM engine. Create it with ``rollout_engines.create_engine("vllm", model=PATH, ...)``."""
 
     backend_name: ClassVar[str] = "vllm"
     #: Declared for listings; each instance replaces it with its platform's (see _capabilities_for).
-    capabilities = Capabilities(transports=CPU_TRANSPORTS, tensor_parallel=True, multi_process=True)
+    capabilities = Capabilities(
+        transports=CPU_TRANSPORTS, tensor_parallel=True, multi_process=True, pause_modes=("abort", "wait", "keep"),
+        streaming=True, abort=True, top_logprobs=MAX_LOGPROBS, prompt_logprobs=True, continuation=True,
+    )
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -172,6 +234,15 @@ class VllmEngine(Engine):
         # means nothing can be cached, so a reset (O(KV blocks) in vLLM) is skipped.
         self._submitted = 0
         self._submitted_at_reset = -1
+        #: Running prompt x samples by request id (registered by the caller's thread, ended on the
+        #: engine loop).
+        self._seqs: dict[str, _Seq] = {}
+        self._seqs_lock = threading.Lock()
+        self._abort_tasks: set[asyncio.Future[None]] = set()
+        self._vllm_paused = False
+        self._label_version = 0  # the weight version vLLM labels new tokens with
+        if self.options.pause_mode is not None:
+            logger.warning("vLLM option pause_mode is deprecated and ignored; pass the mode to pause(mode)")
         self._setup_process_env()
         try:
             import vllm  # noqa: F401
@@ -257,6 +328,12 @@ class VllmEngine(Engine):
             transports=CUDA_TRANSPORTS if platform == "cuda" else CPU_TRANSPORTS,
             tensor_parallel=True,
             multi_process=True,
+            pause_modes=_vllm_pause_modes(),
+            streaming=True,
+            abort=True,
+            top_logprobs=MAX_LOGPROBS,  # narrowed to the engine's max_logprobs once it runs
+            prompt_logprobs=True,
+            continuation=True,
         )
 
     def _claim_sleep_mode(self) -> None:
@@ -323,10 +400,20 @@ class VllmEngine(Engine):
         self._llm = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
         self._tokenizer = self._llm.get_tokenizer()
         self._workers: list[dict[str, Any]] = self._sync(lambda: self._llm.collective_rpc("roe_worker_info"))
+        max_logprobs = int(getattr(self._llm.model_config, "max_logprobs", MAX_LOGPROBS))
+        if 0 <= max_logprobs < MAX_LOGPROBS:
+            self.capabilities = self.capabilities.model_copy(update={"top_logprobs": max_logprobs})
+        self._sync(self._label_weights)
         logger.info(
             "vLLM engine on %s started in %.1f s (%d worker(s), platform %s)", self.config.model,
             time.perf_counter() - start, len(self._workers), self.platform,
         )
+
+    async def _label_weights(self) -> None:
+        """Tell vLLM the weight version, which it then records per output token (WeightVersionSpan)."""
+        llm = self._llm
+        if hasattr(llm, "update_weight_version"):
+            await self._on_loop(lambda: llm.update_weight_version(str(self._label_version)))
 
     # ---- running coroutines on the engine loop -----------------------------------------------------
     def _sync(self, factory: Callable[[], Awaitable[T]]) -> T:
@@ -350,12 +437,16 @@ class VllmEngine(Engine):
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), self._loop))
 
     # ---- generation ----------------------------------------------------------------------------------
-    def _vllm_sampling(self, s: SamplingParams, seed: int | None) -> Any:
+    def _vllm_sampling(self, s: SamplingParams, seed: int | None, *, delta: bool = False) -> Any:
+        """vLLM's parameters for one prompt x sample (n=1: each sample is its own vLLM request, under
+        its own request id, so that abort finds it)."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        # vLLM's logprobs=k: the k most likely tokens plus the sampled one; 0: the sampled one only.
+        logprobs = s.top_logprobs if s.top_logprobs is not None else (0 if s.logprobs is not None else None)
         return VSamplingParams(
-            n=s.n,
+            n=1,
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
@@ -365,14 +456,17 @@ class VllmEngine(Engine):
             stop_token_ids=list(s.stop_token_ids) or None,
             ignore_eos=s.ignore_eos,
             seed=seed,
-            logprobs=s.logprobs,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            logprobs=logprobs,
+            prompt_logprobs=s.prompt_logprobs,
+            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
         )
 
     def _prompts(self, request: GenerateRequest) -> list[dict[str, Any]]:
         if request.prompt_token_ids is not None:
             return [{"prompt_token_ids": list(ids)} for ids in request.prompt_token_ids]
         if request.prompts is not None:
+            if request.continue_from is not None:  # the earlier tokens are appended to the prompt's
+                return [{"prompt_token_ids": list(self._tokenizer.encode(text))} for text in request.prompts]
             return [{"prompt": text} for text in request.prompts]
         assert request.messages is not None
         out = []
@@ -383,25 +477,200 @@ class VllmEngine(Engine):
             out.append({"prompt_token_ids": self._tokenizer.encode(text, add_special_tokens=False)})
         return out
 
-    async def _generate(self, request: GenerateRequest) -> list[Completion]:
+    def _plan(self, request: GenerateRequest, *, delta: bool) -> list[_Seq]:
+        """One vLLM request per prompt x sample, prompt-major, each under its request id. Sample k
+        of prompt i is seeded ``seed + i * n + k``: what vLLM gives the samples of one n-request
+        seeded ``seed + i * n``."""
         s = request.sampling
         prompts = self._prompts(request)
-        # One seed per prompt, spaced by n: vLLM gives sample k of a request seed + k.
-        params = [self._vllm_sampling(s, None if s.seed is None else s.seed + i * s.n) for i in range(len(prompts))]
-        batch = uuid.uuid4().hex[:12]
+        rids = request.sequence_ids()
+        priors = request.continue_from
+        seqs = []
+        for i, prompt in enumerate(prompts):
+            prior = priors[i] if priors is not None else None
+            prompt_len = None
+            if prior is not None:
+                self._check_prior(i, prior, request)
+                prompt_len = len(prompt["prompt_token_ids"])
+                prompt = {"prompt_token_ids": [*prompt["prompt_token_ids"], *prior.token_ids]}
+            for k in range(s.n):
+                index = i * s.n + k
+                seed = None if s.seed is None else (s.seed + index + 2**63) % 2**64 - 2**63
+                seqs.append(_Seq(
+                    rid=rids[index], prompt_index=i, sample_index=k, prompt=prompt,
+                    params=self._vllm_sampling(s, seed, delta=delta), prompt_len=prompt_len, prior=prior,
+                    want_logprobs=s.logprobs is not None, want_top=s.top_logprobs is not None,
+                    prompt_top_k=s.prompt_logprobs or 0,
+                ))
+        return seqs
+
+    @staticmethod
+    def _check_prior(i: int, prior: Completion, request: GenerateRequest) -> None:
+        ids, s = prior.token_ids, request.sampling
+        if s.logprobs is not None and ids and (prior.logprobs is None or len(prior.logprobs) != len(ids)):
+            raise InvalidRequest(
+                f"continue_from[{i}] has no logprob for each of its tokens, so the continued completion "
+                "cannot carry logprobs; ask for logprobs in the first request too, or leave them out here"
+            )
+        if s.top_logprobs is not None and ids and (prior.top_logprobs is None or len(prior.top_logprobs) != len(ids)):
+            raise InvalidRequest(
+                f"continue_from[{i}] has no top_logprobs for each of its tokens; ask for them in the first "
+                "request too, or leave them out here"
+            )
+        if prior.token_weight_versions is not None and len(prior.token_weight_versions) != len(ids):
+            raise InvalidRequest(f"continue_from[{i}]: token_weight_versions must have one entry per token")
+
+    def _register(self, seqs: list[_Seq]) -> None:
+        with self._seqs_lock:
+            taken = next((q.rid for q in seqs if q.rid in self._seqs), None)
+            if taken is not None:
+                raise InvalidRequest(
+                    f"request id {taken!r} belongs to a request that is still running; request ids must be "
+                    "unique among running requests"
+                )
+            for q in seqs:
+                self._seqs[q.rid] = q
+
+    def _unregister(self, seqs: list[_Seq]) -> None:
+        with self._seqs_lock:
+            for q in seqs:
+                if self._seqs.get(q.rid) is q:
+                    del self._seqs[q.rid]
+
+    async def _drive(self, llm: Any, seq: _Seq, notify: Callable[[], None] | None = None) -> None:
+        """Run one prompt x sample in vLLM (on the engine loop); ``notify`` after each output."""
+        try:
+            if not seq.aborted:  # aborted before it reached vLLM: answered here, with no tokens
+                seq.started = True
+                async for out in llm.generate(seq.prompt, seq.params, seq.rid):
+                    self._absorb(seq, out)
+                    if notify is not None:
+                        notify()
+            if seq.finish is None:
+                seq.finish = "abort"
+        finally:
+            seq.done = True
+            self._unregister([seq])
+            if notify is not None:
+                notify()
+
+    def _absorb(self, seq: _Seq, out: Any) -> int:
+        """Add a vLLM output (a delta, or the one final output) to ``seq``; returns where its new
+        tokens start."""
+        if seq.prompt_ids is None and out.prompt_token_ids is not None:
+            seq.prompt_ids = list(out.prompt_token_ids)[: seq.prompt_len]
+        if seq.prompt_logprobs is None and out.prompt_logprobs:
+            self._absorb_prompt_logprobs(seq, out.prompt_logprobs)
+        start = len(seq.tokens)
+        version = self._label_version  # read as vLLM makes them; vLLM's own spans replace these at the end
+        for sample in out.outputs[:1]:
+            ids = list(sample.token_ids)
+            seq.tokens += ids
+            seq.text += sample.text or ""
+            seq.versions += [version] * len(ids)
+            if (seq.want_logprobs or seq.want_top) and sample.logprobs is not None:
+                for tok, step in zip(ids, sample.logprobs, strict=False):
+                    if seq.want_logprobs:
+                        seq.logprobs.append(float(step[tok].logprob))
+                    if seq.want_top:
+                        seq.top.append(_top_list(step))
+            if sample.finish_reason is not None:
+                seq.finish = sample.finish_reason if sample.finish_reason in ("stop", "length") else "abort"
+                self._versions_from_spans(seq, getattr(sample, "weight_versions", None))
+        if out.finished and seq.finish is None:
+            seq.finish = "abort"
+        return start
+
+    def _versions_from_spans(self, seq: _Seq, spans: Any) -> None:
+        """vLLM's own record of which weights sampled each token (labels set by _label_weights)."""
+        if not spans:
+            return
+        versions = list(seq.versions)
+        for span in spans:
+            try:
+                label = int(span.version)
+            except (TypeError, ValueError):
+                continue
+            versions[span.start:span.end] = [label] * (span.end - span.start)
+        seq.versions = versions[: len(seq.tokens)]
+
+    @staticmethod
+    def _absorb_prompt_logprobs(seq: _Seq, entries: Any) -> None:
+        n = seq.prompt_len if seq.prompt_len is not None else len(entries)
+        prompt = seq.prompt["prompt_token_ids"] if "prompt_token_ids" in seq.prompt else seq.prompt_ids or []
+        values: list[float | None] = [None]
+        tops: list[list[TokenLogprob]] = [[]]
+        for j in range(1, min(n, len(entries), len(prompt))):
+            step = entries[j]
+            entry = step.get(prompt[j]) if step else None
+            values.append(None if entry is None else float(entry.logprob))
+            tops.append(_top_list(step) if step else [])
+        seq.prompt_logprobs = values
+        seq.prompt_top = tops if seq.prompt_top_k else None
+
+    def _take_deltas(self, seq: _Seq) -> list[StreamDelta]:
+        """What the consumer has not seen of ``seq``: one delta per run of tokens of one weight
+        version; the last one carries the finish reason once the sequence has ended."""
+        a, b = seq.delivered, len(seq.tokens)
+        final = seq.finish is not None and not seq.final_sent
+        if b <= a and not final:
+            return []
+        prior = seq.prior
+        if a:
+            last = seq.versions[a - 1]
+        elif prior is not None and prior.token_ids:
+            last = prior.versions()[-1]
+        else:
+            last = self._label_version
+        cuts = [j for j in range(a + 1, b) if seq.versions[j] != seq.versions[j - 1]]
+        deltas = []
+        for lo, hi in zip([a, *cuts], [*cuts, b], strict=True):
+            deltas.append(StreamDelta(
+                request_id=seq.rid, prompt_index=seq.prompt_index, sample_index=seq.sample_index,
+                token_ids=seq.tokens[lo:hi],
+                logprobs=seq.logprobs[lo:hi] if seq.want_logprobs else None,
+                top_logprobs=seq.top[lo:hi] if seq.want_top else None,
+                weight_version=seq.versions[hi - 1] if hi > lo else last,
+            ))
+        if final:
+            deltas[-1].finish_reason = seq.finish
+        seq.delivered, seq.final_sent = b, seq.final_sent or final
+        return deltas
+
+    def _completion(self, seq: _Seq) -> Completion:
+        prior = seq.prior
+        versions = (prior.versions() if prior is not None else []) + seq.versions
+        logprobs = top = None
+        if seq.want_logprobs:
+            logprobs = (list(prior.logprobs or []) if prior is not None else []) + seq.logprobs
+        if seq.want_top:
+            top = (list(prior.top_logprobs or []) if prior is not None else []) + seq.top
+        prompt_ids = seq.prompt_ids
+        if prompt_ids is None:  # never reached vLLM (aborted first)
+            ids = seq.prompt.get("prompt_token_ids")
+            prompt_ids = list(ids)[: seq.prompt_len] if ids is not None else []
+        return Completion(
+            prompt_index=seq.prompt_index, sample_index=seq.sample_index, request_id=seq.rid,
+            prompt_token_ids=prompt_ids,
+            token_ids=(list(prior.token_ids) if prior is not None else []) + seq.tokens,
+            text=(prior.text if prior is not None else "") + seq.text,
+            logprobs=logprobs, top_logprobs=top,
+            prompt_logprobs=seq.prompt_logprobs, prompt_top_logprobs=seq.prompt_top,
+            finish_reason=seq.finish or "abort",
+            weight_version=versions[-1] if versions else self.weight_version,
+            token_weight_versions=versions if len(set(versions)) > 1 else None,
+        )
+
+    async def _generate(self, request: GenerateRequest) -> list[Completion]:
+        seqs = self._plan(request, delta=False)
+        self._register(seqs)
         llm = self._llm
         self._submitted += 1
 
-        async def one(i: int) -> Any:
-            final = None
-            async for out in llm.generate(prompts[i], params[i], f"roe-{batch}-{i}"):
-                final = out
-            return final
-
-        async def run() -> list[Any]:
-            tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+        async def run() -> None:
+            tasks = [asyncio.ensure_future(self._drive(llm, q)) for q in seqs]
             try:
-                return await asyncio.gather(*tasks)
+                await asyncio.gather(*tasks)
             except BaseException:
                 for task in tasks:  # cancelling a vLLM generate() aborts its request
                     task.cancel()
@@ -409,29 +678,95 @@ class VllmEngine(Engine):
                 raise
 
         try:
-            outputs = await self._on_loop(run)
+            await self._on_loop(run)
         except _client_errors() as exc:
             raise InvalidRequest(f"vLLM rejected the request: {exc}") from exc
-        version = self.weight_version
-        return [c for i, out in enumerate(outputs) for c in self._completions(i, out, s, version)]
+        finally:
+            self._unregister(seqs)
+        return [self._completion(q) for q in seqs]
 
-    @staticmethod
-    def _completions(index: int, out: Any, s: SamplingParams, version: int) -> list[Completion]:
-        prompt_ids = list(out.prompt_token_ids or [])
-        result = []
-        for sample in sorted(out.outputs, key=lambda o: o.index):
-            ids = list(sample.token_ids)
-            logprobs = None
-            if s.logprobs is not None and sample.logprobs is not None:
-                logprobs = [float(step[tok].logprob) for tok, step in zip(ids, sample.logprobs, strict=False)]
-            reason: FinishReason = sample.finish_reason if sample.finish_reason in ("stop", "length") else "abort"
-            result.append(
-                Completion(
-                    prompt_index=index, sample_index=sample.index, prompt_token_ids=prompt_ids, token_ids=ids,
-                    text=sample.text, logprobs=logprobs, finish_reason=reason, weight_version=version,
-                )
-            )
-        return result
+    async def _stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        """vLLM's delta outputs, read by one task per prompt x sample on the engine loop as soon as
+        vLLM makes them (so each token is tagged with the weights current then); the consumer takes
+        what is new since its last take. vLLM cannot be slowed per request, so what waits for a
+        slow consumer is what was made since its last take (at most ``max_tokens`` a sequence)."""
+        seqs = self._plan(request, delta=True)
+        self._register(seqs)
+        llm, loop = self._llm, self._loop
+        self._submitted += 1
+        state: dict[str, Any] = {}
+
+        async def start() -> None:
+            event = asyncio.Event()
+
+            async def drive(seq: _Seq) -> None:
+                try:
+                    await self._drive(llm, seq, event.set)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as exc:
+                    state.setdefault("error", exc)
+                    event.set()
+
+            state["event"] = event
+            state["tasks"] = [asyncio.ensure_future(drive(q)) for q in seqs]
+
+        async def take() -> list[StreamDelta]:
+            event = state["event"]
+            while True:
+                event.clear()
+                if "error" in state:
+                    raise state["error"]
+                deltas = [d for q in seqs for d in self._take_deltas(q)]
+                if deltas:
+                    return deltas
+                await event.wait()
+
+        try:
+            await self._on_loop(start)
+            while not all(q.final_sent for q in seqs):
+                try:
+                    deltas = await self._on_loop(take)
+                except _client_errors() as exc:
+                    raise InvalidRequest(f"vLLM rejected the request: {exc}") from exc
+                for delta in deltas:
+                    yield delta
+        finally:
+            tasks = state.get("tasks", [])
+            if tasks and loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(lambda: [t.cancel() for t in tasks if not t.done()])  # aborts in vLLM
+            self._unregister(seqs)
+
+    async def _abort(self, request_ids: Sequence[str] | None) -> None:
+        with self._seqs_lock:
+            if request_ids is None:
+                seqs = list(self._seqs.values())
+            else:
+                seqs = [self._seqs[r] for r in dict.fromkeys(request_ids) if r in self._seqs]
+            for q in seqs:
+                q.aborted = True
+        if not seqs or self._llm is None:
+            return
+        llm = self._llm
+
+        async def go() -> None:
+            await llm.abort([q.rid for q in seqs])
+            # A request between its generate() call and vLLM registering it is not found by that
+            # abort: abort again until each has ended.
+            task = asyncio.ensure_future(self._abort_until_done(llm, seqs))
+            self._abort_tasks.add(task)
+            task.add_done_callback(self._abort_tasks.discard)
+
+        await self._on_loop(go)
+
+    async def _abort_until_done(self, llm: Any, seqs: list[_Seq]) -> None:
+        delay = 0.01
+        while any(not q.done for q in seqs) and self._llm is llm:
+            await asyncio.sleep(delay)
+            delay = min(0.1, delay * 2)
+            live = [q.rid for q in seqs if q.started and not q.done]
+            if live:
+                await llm.abort(live)
 
     # ---- cache, pause, sleep ---------------------------------------------------------------------------
     async def _reset_prefix_cache(self) -> None:
@@ -439,14 +774,14 @@ class VllmEngine(Engine):
             return  # nothing cached while the KV cache is released; wake_up resets it
         submitted = self._submitted
         if submitted == self._submitted_at_reset:
-            self.last_reset_s = 0.0  # nothing generated since the last reset: nothing cached
+            self._last_reset_s = 0.0  # nothing generated since the last reset: nothing cached
             return
         start = time.perf_counter()
         try:
             if await self._reset_prefix_cache_now():
                 self._submitted_at_reset = submitted
         finally:
-            self.last_reset_s = round(time.perf_counter() - start, 6)
+            self._last_reset_s = round(time.perf_counter() - start, 6)
 
     async def _reset_prefix_cache_now(self) -> bool:
         llm = self._llm
@@ -464,16 +799,24 @@ class VllmEngine(Engine):
         return await self._on_loop(reset)
 
     async def _pause(self, mode: PauseMode) -> None:
-        llm = self._llm
-        if not hasattr(llm, "pause_generation"):
-            return  # the base class holds new requests; in-flight ones finish
-        kwargs = _filter_kwargs(llm.pause_generation, mode=self.options.pause_mode, clear_cache=False)
-        await self._on_loop(lambda: llm.pause_generation(**kwargs))
+        """The base class holds new requests. ``keep``: vLLM's scheduler freezes the running ones
+        (pause_generation(mode="keep")); ``abort``: they are aborted by id; ``abort`` and ``wait``
+        return once every request in flight has ended."""
+        if mode == "keep":
+            llm = self._llm
+            await self._on_loop(lambda: llm.pause_generation(mode="keep", clear_cache=False))
+            self._vllm_paused = True
+            return
+        if mode == "abort":
+            await self._abort(None)
+        while self._outstanding or self._seqs:
+            await asyncio.sleep(0.005)
 
     async def _resume(self) -> None:
         llm = self._llm
-        if hasattr(llm, "resume_generation"):
+        if self._vllm_paused and hasattr(llm, "resume_generation"):
             await self._on_loop(llm.resume_generation)
+        self._vllm_paused = False
 
     async def _sleep(self, level: int, tags: Sequence[str]) -> None:
         llm = self._llm
@@ -504,20 +847,38 @@ class VllmEngine(Engine):
     def weight_receivers(self) -> int:
         return len(self._workers)
 
-    def weights_dtype(self) -> str:
-        """The dtype pushes must carry (the engine's, after ``auto`` was resolved)."""
-        return str(self._llm.model_config.dtype).removeprefix("torch.")
+    async def _diagnostics(self, fingerprint: bool) -> Diagnostics:
+        """Adds the platform, the dtype pushes must carry (the engine's, after ``auto`` was resolved)
+        and, asked for on CUDA, every worker's parameter sums as the weights fingerprint (none on
+        the CPU, where vLLM repacks linear weights out of their parameters)."""
+        base = await super()._diagnostics(fingerprint)
+        update: dict[str, Any] = {"platform": self.platform}
+        if self._llm is not None:
+            update["weights_dtype"] = str(self._llm.model_config.dtype).removeprefix("torch.")
+            if fingerprint and self.platform == "cuda":
+                update["weights_fingerprint"] = await self._rpc("roe_param_checksum")
+        return base.model_copy(update=update)
 
-    async def weights_fingerprint(self) -> Any:
-        """What tells two weight states apart (benchmarks, tests): every worker's parameter sums on
-        CUDA; on the CPU, where vLLM repacks linear weights out of their parameters, the greedy
-        tokens of a fixed prompt."""
-        if self.platform == "cuda":
-            return await self._rpc("roe_param_checksum")
-        request = GenerateRequest(
-            prompt_token_ids=[[11, 12, 13, 14]], sampling=SamplingParams(temperature=0, max_tokens=8)
-        )
-        return [c.token_ids for c in await self.generate(request)]
+    # ---- for direct baselines (rollout_engines_vllm.bench) -------------------------------------------
+    @property
+    def async_llm(self) -> Any:
+        """The vLLM ``AsyncLLM`` this engine drives (None once closed); call it on its loop
+        (:meth:`run_on_engine_loop`)."""
+        return self._llm
+
+    @property
+    def tokenizer(self) -> Any:
+        """vLLM's tokenizer of the served model."""
+        return self._tokenizer
+
+    def vllm_sampling_params(self, sampling: SamplingParams, seed: int | None = None) -> Any:
+        """The vLLM ``SamplingParams`` this engine sends for one prompt x sample of ``sampling``."""
+        return self._vllm_sampling(sampling, seed)
+
+    def run_on_engine_loop(self, factory: Callable[[], Awaitable[T]]) -> T:
+        """Run ``factory()`` on the engine's own event loop (where ``AsyncLLM`` lives) and wait for it,
+        from a thread that is not that loop's."""
+        return self._sync(factory)
 
     async def _init_weight_transfer(self, spec: TransportSpec) -> None:
         from .worker_ext import raise_worker_error
@@ -536,16 +897,19 @@ class VllmEngine(Engine):
         timeout = manifest.timeout_s * (len(manifest.buckets) + 2)
         start = time.perf_counter()
         results = await self._rpc("roe_receive_weights", manifest_to_wire(manifest), timeout=timeout)
-        #: Where the last push's time went (benchmarks report it): the RPC round trip as the
-        #: driver saw it, and each worker's own account (validate, wait, check, apply, total).
-        self.last_receive = {
-            "rpc_s": round(time.perf_counter() - start, 6), "workers": [r.get("timings") for r in results],
-        }
+        # Where the push's time went (diagnostics()): the RPC round trip as the driver saw it, and
+        # each worker's own account (validate, wait, check, apply, total).
+        self._last_receive = LastReceive(
+            version=manifest.version, rpc_s=round(time.perf_counter() - start, 6),
+            workers=[ReceiveTimings.of(r.get("timings") if isinstance(r, dict) else None) for r in results],
+        )
         try:
             raise_worker_error(results, f"weight update v{manifest.version}", update=True)
         except WeightsInvalidated as exc:
             self._weights_invalid = f"weight update v{manifest.version} failed midway ({exc})"
             raise
+        self._label_version = manifest.version
+        await self._label_weights()
 
     async def _close_weight_transfer(self) -> None:
         if self._llm is not None and not self._closed:
@@ -590,16 +954,3 @@ class VllmEngine(Engine):
                 if self._sleep_registered:
                     _SLEEP_MODE_ENGINES.discard(self)
                     self._sleep_registered = False
-
-    # ---- benchmark -------------------------------------------------------------------------------------
-    @classmethod
-    def generate_benchmark(cls, args: Any) -> dict[str, Any]:
-        """The same batch through raw ``AsyncLLM`` and through this engine, in one run.
-
-        ``args`` is the ``rollout-engines bench generate`` namespace or a dict; fields used (all
-        optional): ``model``, ``prompts`` (batch size), ``prompt_len``, ``max_tokens``, ``repeats``,
-        ``option`` (``K=V`` strings) and ``options`` (a dict of engine options).
-        """
-        from .bench import run_generate_benchmark
-
-        return run_generate_benchmark(cls, args)

@@ -39,5 +39,6 @@ def register_backends(register: Callable[[BackendSpec], None]) -> None:
                 "logprobs": True,
                 "pause": True,
             },
+            generate_baseline="rollout_engines_vllm.bench:generate_baseline",
         )
     )

@@ -199,12 +199,16 @@ async def test_prefix_cache_reset_after_a_push_is_skipped_only_when_nothing_was_
     were submitted since the last reset, and is skipped when none were (nothing can be cached)."""
     await tokens(engine, request_)
     await push(engine, original, engine.weight_version + 1)
-    assert engine.last_reset_s > 0
+    assert (await engine.diagnostics()).last_reset_s > 0
     await push(engine, original, engine.weight_version + 1)
-    assert engine.last_reset_s == 0.0
+    assert (await engine.diagnostics()).last_reset_s == 0.0
     before = await tokens(engine, request_)
     await push(engine, original, engine.weight_version + 1)
-    assert engine.last_reset_s > 0
+    diagnostics = await engine.diagnostics()
+    assert diagnostics.last_reset_s > 0
+    assert diagnostics.platform == engine.platform and diagnostics.weights_dtype == "float32"
+    assert diagnostics.last_receive is not None and diagnostics.last_receive.version == engine.weight_version
+    assert diagnostics.last_receive.rpc_s > 0 and diagnostics.last_receive.workers[0].total_s > 0
     assert await tokens(engine, request_) == before
 
 
@@ -232,7 +236,7 @@ async def test_pause_push_resume_keeps_in_flight_requests(engine, original, tiny
     v0 = engine.weight_version
     in_flight = asyncio.ensure_future(engine.generate(long))
     await asyncio.sleep(0.2)
-    await engine.pause()
+    await engine.pause("keep")
     try:
         info = await engine.info()
         assert info.paused and info.outstanding == 1 and not in_flight.done()

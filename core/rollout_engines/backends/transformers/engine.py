@@ -75,7 +75,17 @@ from ...errors import (
 )
 from ...threads import run_in_thread
 from ...tokenization import chat_token_ids
-from ...types import Completion, EngineConfig, GenerateRequest, PauseMode, StreamDelta, TokenLogprob
+from ...types import (
+    Completion,
+    Diagnostics,
+    EngineConfig,
+    GenerateRequest,
+    LastReceive,
+    PauseMode,
+    ReceiveTimings,
+    StreamDelta,
+    TokenLogprob,
+)
 from ...weights.manifest import TensorSpec, TransportSpec, WeightManifest
 from ...weights.receiver import StateDictTarget, WeightReceiver
 from .generation import Batch, Row, make_rows, run_batch
@@ -143,6 +153,10 @@ class _ApplyOnWorker:
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
         return self.engine._target.expected_specs()
+
+    def current(self, name: str) -> torch.Tensor:
+        """The parameter's current value (sparse deltas are applied on top of it)."""
+        return self.engine._target.current(name)
 
     def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
         engine = self.engine
@@ -284,13 +298,6 @@ class TransformersEngine(Engine):
         self._worker = threading.Thread(target=self._work, name="roe-transformers", daemon=True)
         self._worker.start()
         logger.info("transformers engine on %s (%s): %s", self.device, self.dtype, config.model)
-
-    @staticmethod
-    def generate_benchmark(args: Any) -> dict[str, Any]:
-        """``rollout-engines bench generate``: this engine against ``model.generate`` (see :mod:`.bench`)."""
-        from .bench import generate_benchmark
-
-        return generate_benchmark(args)
 
     # ---- model facts -----------------------------------------------------------------------------
     def _eos_ids(self) -> frozenset[int]:
@@ -960,6 +967,7 @@ class TransformersEngine(Engine):
         except WeightsInvalidated as exc:
             self._weights_invalid = str(exc)
             raise
+        self._last_receive = LastReceive(version=manifest.version, workers=[ReceiveTimings.of(receiver.last_timings)])
 
     def _receive_sync(self, receiver: WeightReceiver, manifest: WeightManifest) -> None:
         with self._receive_lock:
@@ -1018,6 +1026,11 @@ class TransformersEngine(Engine):
             await run_in_thread(self._close_receiver, receiver, name="roe-weights-close")
 
     # ---- lifecycle -------------------------------------------------------------------------------
+    async def _diagnostics(self, fingerprint: bool) -> Diagnostics:
+        base = await super()._diagnostics(fingerprint)
+        return base.model_copy(update={"platform": self.device.type,
+                                       "weights_dtype": str(self.dtype).removeprefix("torch.")})
+
     def _extra_info(self) -> dict[str, Any]:
         return {
             "device": str(self.device),

@@ -657,6 +657,8 @@ def load_latest(root: str | Path) -> tuple[WeightManifest, dict[str, torch.Tenso
         except (WeightSyncError, OSError) as exc:
             logger.warning("disk: skipping update %s: %s", d, exc)
             continue
+        if manifest.delta is not None and manifest.delta.base_version is not None:
+            continue  # a delta is only complete on top of its base: recovery needs a full update
         candidates.append((manifest.version, written, d, manifest))
     for _, _, directory, manifest in sorted(candidates, key=lambda c: (c[0], c[1]), reverse=True):
         try:

@@ -16,6 +16,7 @@ init_weight_transfer        ``POST /weights/init`` (TransportSpec)
 receive_weights             ``POST /weights/update`` (WeightManifest -> ``{"weight_version"}``)
 close_weight_transfer       ``POST /weights/close``
 info / health               ``GET /info`` / ``GET /health``
+diagnostics                 ``GET /diagnostics[?fingerprint=true]`` (-> Diagnostics)
 close                       nothing: the server outlives its clients (closing one closes its connections)
 ==========================  =============================================================
 """
@@ -44,7 +45,7 @@ ROUTES: dict[str, tuple[str, str]] = {
     "init_weight_transfer": ("POST", "/weights/init"),
     "receive_weights": ("POST", "/weights/update"),
     "close_weight_transfer": ("POST", "/weights/close"),
-    "info": ("GET", "/info"), "health": ("GET", "/health"),
+    "info": ("GET", "/info"), "health": ("GET", "/health"), "diagnostics": ("GET", "/diagnostics"),
 }
 STREAM_PATH = "/generate/stream"
 
@@ -98,6 +99,8 @@ class RolloutServerChannel(Channel):
             unregister_endpoint(self._session, self.api.base_url)
             self._session = None
         verb, path = ROUTES[method]
+        if method == "diagnostics" and args.get("fingerprint"):
+            path += "?fingerprint=true"
         body = self._body(method, args)
         out = await self.api.request(verb, path, json=body, timeout=timeout_s)
         if method == "init_weight_transfer" and args["spec"].get("transport") == "http":
@@ -109,7 +112,7 @@ class RolloutServerChannel(Channel):
             self._session = session
         if method == "receive_weights":
             return int(out["weight_version"])
-        if method in ("generate", "chat", "info"):
+        if method in ("generate", "chat", "info", "diagnostics"):
             return out
         return None
 

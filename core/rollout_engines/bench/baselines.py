@@ -1,36 +1,32 @@
-"""`rollout-engines bench generate --backend transformers`: the engine against transformers'
-own ``model.generate`` on the same model object and the same batch, in one run.
+"""Direct baselines of the core's own backends for ``rollout-engines bench generate`` (registered as
+:attr:`~rollout_engines.plugins.BackendSpec.generate_baseline`; plugins register theirs).
 
-The batch is the benchmark's standard one (equal-length token prompts, greedy, fixed length).
-Rounds alternate so load from other processes hits both sides alike; the best round of each
-counts. Both sides run on a worker thread with the engine's intra-op thread count.
+``transformers``: the engine against transformers' own ``model.generate`` on the same model object
+and the same batch, in one run. Rounds alternate so load from other processes hits both sides
+alike; the best round of each counts. Both sides run on a worker thread with the engine's
+intra-op thread count.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import time
 from typing import Any
 
-import torch
+from .generate import GenerateArgs, engine_tokens_per_s
 
 
-def generate_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    from ...bench.generate import batch, engine_tokens_per_s, options
-    from ...factory import create_engine
-    from .engine import TransformersEngine
+def transformers_generate(args: GenerateArgs) -> dict[str, Any]:
+    import torch
 
-    if args.model is None:
-        from ...testing.tiny_model import tiny_model_path
+    from ..backends.transformers.engine import TransformersEngine
+    from ..factory import create_engine
 
-        args.model = str(tiny_model_path())
-    request = batch(args)
-    repeats = max(1, int(args.repeats))
+    request = args.batch()
 
     async def run() -> tuple[float, float, int]:
-        engine = await asyncio.to_thread(create_engine, "transformers", args.model, **options(args))
+        engine = await asyncio.to_thread(create_engine, "transformers", args.model_path(), **args.options)
         assert isinstance(engine, TransformersEngine)
         ids = torch.tensor(request.prompt_token_ids, device=engine.device)
 
@@ -56,7 +52,7 @@ def generate_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             await loop.run_in_executor(pool, direct)
             best_engine = best_direct = 0.0
             tokens = 0
-            for _ in range(repeats):
+            for _ in range(args.repeats):
                 tps, tokens = await engine_tokens_per_s(engine, request)
                 best_engine = max(best_engine, tps)
                 tps, _ = await loop.run_in_executor(pool, direct)

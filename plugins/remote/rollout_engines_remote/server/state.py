@@ -1,0 +1,110 @@
+"""What every route shares: the served engine and the server's per-app state, and the helpers
+that tie a request's work to its client (cancel on disconnect) and to the server's configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+from fastapi import Request
+from rollout_engines.engine import Engine
+from rollout_engines.types import Completion, GenerateRequest
+from rollout_engines.weights.manifest import TransportSpec
+
+from ..metrics import ServerMetrics
+from ..transport import HttpIngress
+from .errors import ClientDisconnected, FieldError, Forbidden
+from .limits import DEFAULT_MAX_SEQUENCES, Limits
+
+
+class ServerState:
+    """One app's engine and state; every routes module gets it (``router(state)``)."""
+
+    def __init__(self, engine: Engine, model_name: str, max_sequences: int = DEFAULT_MAX_SEQUENCES, *,
+                 api_key: str | None = None, weights_root: str | None = None,
+                 protocols: tuple[str, ...] = ()) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.ingress = HttpIngress(engine)
+        self.metrics = ServerMetrics()
+        self.limits: Limits | None = None
+        self.max_sequences = max_sequences
+        self.started = time.time()
+        self.init_started: float | None = None  # monotonic start of the /weights/init in progress
+        self.auth = bool(api_key)
+        self.weights_root = weights_root
+        self.protocols = protocols
+
+    def get_limits(self) -> Limits:
+        if self.limits is None:
+            self.limits = Limits(self.engine, self.max_sequences)
+        return self.limits
+
+    def count(self, outs: list[Completion]) -> None:
+        """Add finished completions to the metrics."""
+        m = self.metrics
+        m.prompt_tokens.inc(sum(len(c.prompt_token_ids) for c in outs if c.sample_index == 0))
+        m.generated_tokens.inc(sum(len(c.token_ids) for c in outs))
+        for c in outs:
+            m.completions.labels(c.finish_reason).inc()
+
+    async def generate(self, req: GenerateRequest, request: Request) -> list[Completion]:
+        """Check ``req`` against the limits, generate (cancelled when the client disconnects), count."""
+        self.get_limits().check(req)
+        outs = await cancel_on_disconnect(request, self.engine.generate(req))
+        self.count(outs)
+        return outs
+
+
+def confine_disk_spec(spec: TransportSpec, weights_root: str | None) -> TransportSpec:
+    """``spec`` with its ``disk`` folder checked to lie inside ``weights_root`` (after resolving every
+    link) and replaced by its resolved path. Raises :class:`Forbidden` or :class:`FieldError`."""
+    if weights_root is None:
+        raise Forbidden("disk weight transfers over HTTP are off on this server: start it with --weights-root DIR "
+                        "(create_app(weights_root=DIR)) and have the trainer write its updates under DIR",
+                        param="options.path")
+    raw = spec.options.get("path")
+    if not isinstance(raw, str) or not raw:
+        raise FieldError("options.path", f"a disk transfer needs options['path'], a folder under this server's "
+                         f"weights root {weights_root}")
+    try:
+        real = os.path.realpath(os.path.join(weights_root, raw))
+    except (ValueError, OSError):
+        raise FieldError("options.path", "not a usable file-system path") from None
+    if os.path.commonpath([real, weights_root]) != weights_root:
+        raise Forbidden(f"options.path '{raw[:300]}' is not inside this server's weights root {weights_root} "
+                        "(links are followed); write the updates under that folder, or restart the server with "
+                        "another --weights-root", param="options.path")
+    if not os.path.isdir(real):
+        raise FieldError("options.path", f"'{raw[:300]}' is not an existing folder on the server; the trainer "
+                         "creates it when it opens the transfer (connect_weight_sync)")
+    return spec.model_copy(update={"options": {**spec.options, "path": real}})
+
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it and raise :class:`ClientDisconnected`."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task}, timeout=10.0)
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved, so that asyncio does not log it
+    raise ClientDisconnected("the client disconnected; its generation was cancelled")
