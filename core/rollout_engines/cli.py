@@ -3,7 +3,7 @@
     rollout-engines backends [--json]
     rollout-engines demo [--backend transformers] [--model PATH] [--engines N] [--ray] [--json]
     rollout-engines check --backend NAME [--model PATH]
-    rollout-engines bench weight-sync|generate|group|push|async ... --json
+    rollout-engines bench weight-sync|generate|group|push|async|refit ... --json
     rollout-engines serve --backend NAME --model PATH [--host H] [--port P] [--api-key K]
 
 Heavy libraries (torch, vllm, ray, fastapi) are imported only by the subcommand that needs them.
@@ -26,6 +26,7 @@ BENCHES = {
     "group": "rollout_engines.bench.group",
     "push": "rollout_engines.bench.push",
     "async": "rollout_engines.bench.async_",
+    "refit": "rollout_engines.bench.refit",
 }
 
 

@@ -19,7 +19,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -117,7 +117,7 @@ class EngineProtocol(abc.ABC):
     async def generate(self, request: GenerateRequest) -> list[Completion]: ...
 
     @abc.abstractmethod
-    def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]: ...
+    def stream(self, request: GenerateRequest) -> AsyncGenerator[StreamDelta, None]: ...
 
     @abc.abstractmethod
     async def abort(self, request_ids: Sequence[str]) -> None: ...
@@ -231,7 +231,7 @@ class Engine(EngineProtocol):
     async def _pause(self, mode: PauseMode) -> None:
         return None
 
-    async def _stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[StreamDelta, None]:
         """Deltas of a request whose ``request_ids`` are set. Default, for backends without
         streaming: one delta per completion, once the whole request is done."""
         for c in await self._generate(request):
@@ -353,7 +353,7 @@ class Engine(EngineProtocol):
                 c.request_id = rid
         return outs
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StreamDelta, None]:
         """Generate, yielding :class:`StreamDelta` objects (new tokens of one prompt x sample) as
         they are made; the last delta of each sequence carries its ``finish_reason``. The engine
         produces no faster than the caller consumes (bounded buffers). Backends without the
@@ -372,9 +372,7 @@ class Engine(EngineProtocol):
             self._outstanding -= 1
             # A caller that stops early ends the backend's stream now (its requests are cancelled),
             # not whenever the event loop collects the generator.
-            aclose = getattr(inner, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await inner.aclose()
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Finish these requests now: each returns (or streams its last delta) promptly with

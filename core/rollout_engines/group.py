@@ -64,7 +64,7 @@ import asyncio
 import logging
 import zlib
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -450,7 +450,7 @@ class EngineGroup(Engine):
         finally:
             self._leave(ids)
 
-    async def _stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[StreamDelta, None]:
         """Routed like :meth:`_generate`; the whole stream stays on one member. A member that fails
         before its first delta is retried elsewhere; one that fails after it ends the stream with
         the error (the deltas already delivered cannot be taken back)."""

@@ -45,7 +45,7 @@ import logging
 import sys
 import traceback
 import typing
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -220,7 +220,7 @@ class _Signature:
         hints = typing.get_type_hints(fn, vars(sys.modules[EngineProtocol.__module__]))
         self.params = {p: _Codec(hints[p]) for p in inspect.signature(fn).parameters if p != "self"}
         ret = hints.get("return")
-        self.streams = typing.get_origin(ret) is AsyncIterator
+        self.streams = typing.get_origin(ret) in (AsyncIterator, AsyncGenerator)
         self.result = _Codec(typing.get_args(ret)[0] if self.streams else ret)
 
 
@@ -464,7 +464,7 @@ class ProxyEngine(EngineProtocol):
 
     def _apply(self, described: Mapping[str, Any]) -> None:
         self.described = dict(described)
-        self.capabilities = declared(described.get("capabilities") or {})
+        self.capabilities: Capabilities = declared(described.get("capabilities") or {})
         self._receivers = int(described.get("weight_receivers", 1))
         self.weight_version = int(described.get("weight_version", 0))
 
@@ -487,7 +487,7 @@ class ProxyEngine(EngineProtocol):
     async def generate(self, request: GenerateRequest) -> list[Completion]:
         return typing.cast(list[Completion], await self._call("generate", request=request))
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[StreamDelta, None]:
         if self._closed:
             raise EngineClosed(f"engine '{self.backend_name}' is closed; create a new one")
         codec = SIGNATURES["stream"]

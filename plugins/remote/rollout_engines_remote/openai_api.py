@@ -355,8 +355,11 @@ def completion_response(outs: Sequence[Completion], model: str, body: Completion
             head = prompt_text(c) if prompt_text is not None else ""
             if want_logprobs:
                 p_lps = list(c.prompt_logprobs or [None] * len(c.prompt_token_ids))
-                p_tops: list[Sequence[TokenLogprob] | None] = list(c.prompt_top_logprobs or [None] * len(p_lps))
-                tops = p_tops + (gen_tops if gen_tops is not None else [None] * len(gen_lps))
+                p_tops: list[Sequence[TokenLogprob] | None] = (
+                    list(c.prompt_top_logprobs) if c.prompt_top_logprobs else [None] * len(p_lps)
+                )
+                gen: list[Sequence[TokenLogprob] | None] = list(gen_tops) if gen_tops is not None else [None] * len(gen_lps)
+                tops = p_tops + gen
                 logprobs = completion_logprobs(list(c.prompt_token_ids) + token_ids, p_lps + gen_lps, tops, decode)
             text = head + text
         elif want_logprobs and c.logprobs is not None:

@@ -397,8 +397,14 @@ class HttpIngress:
             raise ValueError(f"bucket frame metadata incomplete: {exc}") from None
         s = self._session(session)
 
+        def this_update_failed() -> bool:
+            # A failure belongs to the update it ended: a bucket of the next update, posted before
+            # that update started, waits for its turn instead of reading the old failure.
+            m = s.manifest
+            return s.failed is not None and m is not None and m.session_id == update
+
         def my_turn() -> bool:
-            if s.failed is not None:
+            if this_update_failed():
                 return True
             m = s.manifest
             return m is not None and m.session_id == update and not s.done and s.next_index == index
@@ -409,7 +415,7 @@ class HttpIngress:
             except asyncio.TimeoutError:
                 raise WeightSyncError(f"bucket {index} of update {update} waited {s.spec.timeout_s:.0f} s for "
                                       "its update to start or its turn", peer="trainer", bucket=index) from None
-            if s.failed is not None:
+            if this_update_failed():
                 raise WeightSyncError(f"the update this bucket belongs to failed: {s.failed}", bucket=index)
             s.feeding += 1
         try:

@@ -14,7 +14,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,7 @@ class ScriptedEngine(Engine):
             return list(request.prompt_token_ids[i])
         return [3 + (ord(ch) % 60) for ch in (request.prompts or [""])[i]][:32] or [3]
 
-    async def _sequence(self, request: GenerateRequest, i: int, j: int, rid: str) -> AsyncIterator[StreamDelta]:
+    async def _sequence(self, request: GenerateRequest, i: int, j: int, rid: str) -> AsyncGenerator[StreamDelta, None]:
         prompt, s = self._prompt(request, i), request.sampling
         self.running.add(rid)
         try:
@@ -83,7 +83,7 @@ class ScriptedEngine(Engine):
         finally:
             self.running.discard(rid)
 
-    async def _stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[StreamDelta, None]:
         ids = request.request_ids or []
         n = request.sampling.n
         try:

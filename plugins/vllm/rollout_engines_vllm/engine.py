@@ -36,7 +36,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -685,7 +685,7 @@ class VllmEngine(Engine):
             self._unregister(seqs)
         return [self._completion(q) for q in seqs]
 
-    async def _stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[StreamDelta, None]:
         """vLLM's delta outputs, read by one task per prompt x sample on the engine loop as soon as
         vLLM makes them (so each token is tagged with the weights current then); the consumer takes
         what is new since its last take. vLLM cannot be slowed per request, so what waits for a

@@ -58,7 +58,7 @@ import concurrent.futures
 import gc
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -753,7 +753,7 @@ class TransformersEngine(Engine):
             self._cancel(job)
             raise
 
-    async def _stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta]:
+    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[StreamDelta, None]:
         """Each row's new tokens as the worker makes them. The worker publishes a row's tokens after
         every step and takes the row out of the batch while ``stream_buffer_tokens`` of them are
         undelivered, so this buffer is bounded however slowly the caller consumes."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -16,7 +17,7 @@ from ..state import ServerState
 
 _COMPLETIONS = TypeAdapter(list[Completion])
 
-STREAM_RESPONSES = {200: {"description": "Server-sent events: `data: <StreamDelta JSON>` per delta, then "
+STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {200: {"description": "Server-sent events: `data: <StreamDelta JSON>` per delta, then "
                                          "`data: [DONE]`; an error after the start is a `data: {\"error\": ...}` event.",
                           "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 

@@ -26,7 +26,7 @@ from ... import openai_api as oai
 from ..sse import EventStreamResponse, event, events_of, first_item
 from ..state import ServerState
 
-STREAM_RESPONSES = {200: {"description": "JSON, or with stream=true server-sent events of chunks, then "
+STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {200: {"description": "JSON, or with stream=true server-sent events of chunks, then "
                                          "`data: [DONE]`.",
                           "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 

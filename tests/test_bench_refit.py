@@ -1,0 +1,38 @@
+"""`rollout-engines bench refit` through the real command line, on the transformers backend."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.transformers, pytest.mark.timeout(300)]
+
+PHASES = ("sleep", "wake_weights", "push", "wake_kv", "first_token", "refit")
+
+
+def _bench(*extra):
+    cmd = [sys.executable, "-m", "rollout_engines", "bench", "refit", "--backend", "transformers", *extra, "--json"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+
+
+def test_bench_refit_cli(tiny_model):
+    proc = _bench("--model", str(tiny_model), "--cycles", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["backend"] == "transformers" and result["sleep_level"] == 2 and result["cycles"] == 2
+    for key in ("median_s", "p90_s", "first_cycle_s"):
+        assert set(result[key]) == set(PHASES)
+        assert all(v >= 0 for v in result[key].values())
+    med = result["median_s"]
+    assert med["refit"] == pytest.approx(med["wake_weights"] + med["push"] + med["wake_kv"], abs=1e-5)
+    assert result["bytes"] > 0 and result["push_gbps"] > 0
+    assert result["verified"] is True and result["pushes_verified"] == [True, True]
+
+
+def test_bench_refit_unsupported_level(tiny_model):
+    proc = _bench("--model", str(tiny_model), "--level", "3")
+    assert proc.returncode == 2
+    assert "supported levels: 1, 2" in proc.stderr
