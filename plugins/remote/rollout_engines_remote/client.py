@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from rollout_engines.engine import Capabilities
 from rollout_engines.proxy import Channel, LocalChannel, ProxyEngine
 from rollout_engines.types import EngineConfig, EngineInfo
 
@@ -33,6 +34,8 @@ from .protocol import API_KEY_ENV
 
 class RemoteEngine(ProxyEngine):
     """An engine served over HTTP. Created by ``create_engine("remote", model=URL, ...)``."""
+
+    capabilities: Capabilities
 
     def __init__(self, config: EngineConfig) -> None:
         opts = config.options
