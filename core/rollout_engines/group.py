@@ -44,7 +44,7 @@ What the group does:
      ``version`` (typically it pushes the trainer's current weights with
      ``connect_weight_sync([engine], ...)``);
   2. ``weight_source``: a directory, or a callable ``version -> named tensors``; the group pushes
-     those tensors over ``rejoin_transport`` (default: the transport of the last session). The
+     those tensors over ``rejoin_transport`` (default: the last weight sync's transport). The
      directory is either where the trainer pushes over the ``disk`` transport
      (``options={"path": dir}``: its newest complete update is used, and must be the group's
      version) or one holding ``*.safetensors`` files of the latest weights (HF names). The group
@@ -190,7 +190,7 @@ class EngineGroup(Engine):
                 ``version``.
             weight_source: directory of safetensors (or callable ``version -> tensors``) the group
                 pushes to a returning member when ``on_rejoin`` is not given.
-            rejoin_transport: transport for that push (default: the last session's).
+            rejoin_transport: transport for that push (default: the last weight sync's).
         """
         engines = list(engines)
         if not engines:
