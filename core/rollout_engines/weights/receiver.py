@@ -27,7 +27,7 @@ from ..errors import ManifestMismatch, WeightsInvalidated, WeightSyncError
 from .buckets import BucketHeader, bucket_views, checksum, checksum_tensors
 from .delta import ReceivedBase, SparseRebuilder, check_base, current_reader, next_base
 from .manifest import ExpectedSpec, TensorSpec, TransportSpec, WeightManifest, validate_manifest
-from .transport import TransportReceiver
+from .transports.base import TransportReceiver
 
 logger = logging.getLogger("rollout_engines.weights")
 

@@ -47,7 +47,7 @@ from .manifest import (
     plan_manifest,
     specs_of,
 )
-from .transport import TransportSender
+from .transports.base import TransportSender
 
 if TYPE_CHECKING:
     from ..engine import EngineProtocol

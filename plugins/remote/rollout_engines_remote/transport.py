@@ -34,7 +34,7 @@ import torch
 from rollout_engines.errors import CapabilityError, WeightSyncError
 from rollout_engines.weights.buckets import BucketHeader
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
-from rollout_engines.weights.transport import TransportSender
+from rollout_engines.weights.transports.base import TransportSender
 from rollout_engines.weights.transports.inproc import InprocReceiver, InprocSender
 
 if TYPE_CHECKING:

@@ -44,8 +44,8 @@ import torch
 from rollout_engines.errors import WeightSyncError
 from rollout_engines.weights.buckets import BucketHeader
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
-from rollout_engines.weights.transport import TransportReceiver, TransportSender
 from rollout_engines.weights.transports import _store
+from rollout_engines.weights.transports.base import TransportReceiver, TransportSender
 
 from .payloads import aligned_chunks, compact_bucket
 

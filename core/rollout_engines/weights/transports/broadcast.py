@@ -32,9 +32,9 @@ import torch.distributed as dist
 from ...errors import WeightSyncError
 from ..buckets import BucketHeader
 from ..manifest import TransportSpec, WeightManifest
-from ..transport import TransportReceiver, TransportSender
 from . import _store
 from ._store import TRAINER
+from .base import TransportReceiver, TransportSender
 
 logger = logging.getLogger("rollout_engines.weights")
 

@@ -63,8 +63,8 @@ from safetensors.torch import save_file
 from ...errors import WeightSyncError
 from ..buckets import BucketHeader, bucket_views, checksum
 from ..manifest import TensorPlacement, TransportSpec, WeightManifest
-from ..transport import TransportReceiver, TransportSender
 from ._store import TRAINER, poll
+from .base import TransportReceiver, TransportSender
 
 logger = logging.getLogger("rollout_engines.weights")
 

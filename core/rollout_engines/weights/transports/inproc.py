@@ -12,7 +12,7 @@ import torch
 from ...errors import WeightSyncError
 from ..buckets import BucketHeader
 from ..manifest import TransportSpec
-from ..transport import TransportReceiver, TransportSender
+from .base import TransportReceiver, TransportSender
 
 _sessions: dict[str, dict[int, queue.Queue[tuple[BucketHeader, torch.Tensor]]]] = {}
 _lock = threading.Condition()

@@ -2,7 +2,7 @@
 
 A transport moves bucket buffers from the trainer (one sender) to every engine worker (N
 receivers). It knows nothing about models: the manifest, validation and atomic apply live in
-:mod:`.receiver` and :mod:`.session`, shared by every transport.
+:mod:`..receiver` and :mod:`..session`, shared by every transport.
 
 Rules every transport keeps:
 - every wait has a timeout (``spec.timeout_s``); a dead peer raises :class:`WeightSyncError`
@@ -23,9 +23,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import WeightSyncError
-from .buckets import BucketHeader
-from .manifest import TransportSpec, WeightManifest
+from ...errors import WeightSyncError
+from ..buckets import BucketHeader
+from ..manifest import TransportSpec, WeightManifest
 
 
 class _Cancellable:
