@@ -28,6 +28,8 @@ from .errors import (
     CapabilityError,
     EngineAsleep,
     EngineClosed,
+    InvalidRequest,
+    ManifestMismatch,
     StaleVersion,
     WeightsInvalidated,
     WeightSyncError,
@@ -79,6 +81,8 @@ class Capabilities(BaseModel):
     top_logprobs: int = Field(default=0, ge=0, description="Largest SamplingParams.top_logprobs served.")
     prompt_logprobs: bool = False
     continuation: bool = Field(default=False, description="GenerateRequest.continue_from is served.")
+    lora: int = Field(default=0, ge=0, description="Largest LoRA rank served; 0: no LoRA adapters.")
+    max_loras: int = Field(default=0, ge=0, description="Adapters loaded at once (0: no LoRA).")
     prefix_cache: bool = True
     transports: tuple[str, ...] = ()
     tensor_parallel: bool = False
@@ -106,6 +110,8 @@ class EngineProtocol(abc.ABC):
     capabilities: Capabilities = Capabilities()
     config: EngineConfig
     weight_version: int
+    #: Loaded LoRA adapters: name -> version.
+    loras: dict[str, int]
 
     @classmethod
     def methods(cls) -> tuple[str, ...]:
@@ -151,6 +157,9 @@ class EngineProtocol(abc.ABC):
 
     @abc.abstractmethod
     async def close_weight_transfer(self) -> None: ...
+
+    @abc.abstractmethod
+    async def unload_lora(self, name: str) -> bool: ...
 
     @abc.abstractmethod
     async def info(self) -> EngineInfo: ...
@@ -211,6 +220,8 @@ class Engine(EngineProtocol):
         self._weight_update_lock = threading.Lock()
         #: The update being received: (version, monotonic start, its timeout), else None.
         self._receiving: tuple[int, float, float] | None = None
+        #: Loaded LoRA adapters: name -> version (kept by this class; backends keep the tensors).
+        self.loras: dict[str, int] = {}
         #: Set by backends that measure them; read through :meth:`diagnostics`.
         self._last_receive: LastReceive | None = None
         self._last_reset_s: float | None = None
@@ -256,6 +267,17 @@ class Engine(EngineProtocol):
 
     async def _close_weight_transfer(self) -> None:
         return None
+
+    async def _receive_lora(self, manifest: WeightManifest) -> None:
+        """Receive the LoRA adapter ``manifest.lora`` (its tensors, PEFT-named) and install it
+        atomically under its name, replacing an earlier version of it only once complete; validate
+        it against the base model first (:func:`rollout_engines.weights.lora.lora_expected_specs`).
+        Backends with ``capabilities.lora`` implement it."""
+        raise CapabilityError(f"backend '{self.backend_name}' cannot load LoRA adapters")
+
+    async def _unload_lora(self, name: str) -> None:
+        """Forget the loaded adapter ``name`` (known to be loaded); base outputs are unchanged."""
+        raise CapabilityError(f"backend '{self.backend_name}' cannot load LoRA adapters")
 
     async def _close(self) -> None:
         return None
@@ -327,6 +349,14 @@ class Engine(EngineProtocol):
             require(caps, "prompt_logprobs", name, "return prompt logprobs")
         if request.continue_from is not None:
             require(caps, "continuation", name, "continue earlier completions (continue_from)")
+        if request.lora is not None:
+            if not caps.lora:
+                raise CapabilityError(f"backend '{name}' cannot serve LoRA adapters (capability 'lora')")
+            if request.lora not in self.loras:
+                raise InvalidRequest(
+                    f"LoRA adapter '{request.lora}' is not loaded on engine '{name}' (loaded: "
+                    f"{', '.join(sorted(self.loras)) or 'none'}); push it with WeightSync.push_lora first"
+                )
 
     @staticmethod
     def _with_ids(request: GenerateRequest) -> GenerateRequest:
@@ -483,6 +513,8 @@ class Engine(EngineProtocol):
         from .plugins import get_registry
 
         self._check_not_closed()
+        if manifest.lora is not None:
+            return await self._receive_lora_checked(manifest)
         if "weights" in self._asleep:
             raise EngineAsleep(
                 f"engine '{self.backend_name}' has released its weights; call wake_up(tags=['weights']) "
@@ -515,6 +547,48 @@ class Engine(EngineProtocol):
     async def close_weight_transfer(self) -> None:
         await self._close_weight_transfer()
 
+    async def _receive_lora_checked(self, manifest: WeightManifest) -> int:
+        """A LoRA push: the shared rules (capability, rank, slots, versions per adapter), then the
+        backend's :meth:`_receive_lora`. The base weights and their version are untouched."""
+        spec = manifest.lora
+        assert spec is not None
+        caps, name = self.capabilities, self.backend_name
+        if not caps.lora:
+            raise CapabilityError(f"backend '{name}' cannot load LoRA adapters (capability 'lora')")
+        if spec.rank > caps.lora:
+            raise ManifestMismatch(
+                f"LoRA adapter '{spec.name}' has rank {spec.rank}; engine '{name}' serves ranks up to "
+                f"{caps.lora} (raise the backend's max LoRA rank option)"
+            )
+        if spec.name not in self.loras and len(self.loras) >= caps.max_loras:
+            raise ManifestMismatch(
+                f"engine '{name}' already holds {len(self.loras)} LoRA adapters (max_loras={caps.max_loras}); "
+                f"unload_lora() one of {sorted(self.loras)} first"
+            )
+        current = self.loras.get(spec.name)
+        if current is not None and not manifest.allow_rollback and manifest.version <= current:
+            raise StaleVersion(
+                f"engine '{name}' refuses LoRA '{spec.name}' v{manifest.version}: it holds v{current} "
+                "and versions must increase (allow_rollback=True to go back)"
+            )
+        self._receiving = (manifest.version, time.monotonic(), manifest.timeout_s)
+        try:
+            await self._receive_lora(manifest)
+        finally:
+            self._receiving = None
+        self.loras[spec.name] = manifest.version
+        return manifest.version
+
+    async def unload_lora(self, name: str) -> bool:
+        """Unload the LoRA adapter ``name``; returns whether it was loaded (unknown names: False).
+        Requests that name it afterwards are refused; base-model outputs are unchanged."""
+        self._check_not_closed()
+        if name not in self.loras:
+            return False
+        await self._unload_lora(name)
+        del self.loras[name]
+        return True
+
     async def info(self) -> EngineInfo:
         return EngineInfo(
             backend=self.backend_name,
@@ -525,6 +599,7 @@ class Engine(EngineProtocol):
             outstanding=self._outstanding_count(),
             healthy=self._is_healthy(),
             capabilities=self.capabilities.model_dump(),
+            loras=dict(self.loras),
             extra={**self._extra_info(), **self._receive_info()},
         )
 

@@ -244,7 +244,8 @@ class EngineHost:
     def describe(self) -> dict[str, Any]:
         e = self.engine
         return {"backend": e.backend_name, "capabilities": e.capabilities.model_dump(mode="json"),
-                "weight_receivers": e.weight_receivers(), "weight_version": e.weight_version}
+                "weight_receivers": e.weight_receivers(), "weight_version": e.weight_version,
+                "loras": dict(e.loras)}
 
     async def call(self, method: str, args: Mapping[str, Any]) -> Any:
         """Run ``method`` with wire ``args``; returns the wire result or raises the engine's error."""
@@ -467,6 +468,7 @@ class ProxyEngine(EngineProtocol):
         self.capabilities: Capabilities = declared(described.get("capabilities") or {})
         self._receivers = int(described.get("weight_receivers", 1))
         self.weight_version = int(described.get("weight_version", 0))
+        self.loras: dict[str, int] = {str(k): int(v) for k, v in (described.get("loras") or {}).items()}
 
     @property
     def closed(self) -> bool:
@@ -524,8 +526,15 @@ class ProxyEngine(EngineProtocol):
 
     async def receive_weights(self, manifest: WeightManifest) -> int:
         version = int(await self._call("receive_weights", manifest.timeout_s + WEIGHT_MARGIN_S, manifest=manifest))
-        self.weight_version = version
+        if manifest.lora is not None:
+            self.loras[manifest.lora.name] = version
+        else:
+            self.weight_version = version
         return version
+
+    async def unload_lora(self, name: str) -> bool:
+        self.loras.pop(name, None)
+        return bool(await self._call("unload_lora", name=name))
 
     async def close_weight_transfer(self) -> None:
         if not self._closed:
@@ -534,6 +543,7 @@ class ProxyEngine(EngineProtocol):
     async def info(self) -> EngineInfo:
         info: EngineInfo = await self._call("info")
         self.weight_version = info.weight_version
+        self.loras = dict(info.loras)
         # As seen from here: this proxy's name, configuration and declared capabilities.
         return info.model_copy(update={"backend": self.backend_name, "model": self.config.model,
                                        "capabilities": self.capabilities.model_dump()})

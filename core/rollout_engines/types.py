@@ -22,7 +22,8 @@ The limits are module constants, read when a request is validated:
 - ``MAX_PROMPT_CHARS`` = 2**22 (about 4 M): characters of one text prompt, or of one chat's
   message contents together, checked before anything is tokenized;
 - ``MAX_PROMPT_TOKENS`` = 2**20: tokens of one ``prompt_token_ids`` prompt;
-- ``MAX_CHAT_MESSAGES`` = 4096: messages in one conversation.
+- ``MAX_CHAT_MESSAGES`` = 4096: messages in one conversation;
+- ``MAX_LORA_RANK`` = 1024: the largest LoRA rank; adapter names match ``LORA_NAME_PATTERN``.
 
 A request past a limit fails validation (pydantic's ``ValidationError``; the HTTP server answers
 422) with a message that names the limit and what to do instead.
@@ -56,6 +57,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_PROMPT_CHARS = 2**22
 MAX_PROMPT_TOKENS = 2**20
 MAX_CHAT_MESSAGES = 4096
+MAX_LORA_RANK = 1024
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
 def _check_token_ids(ids: list[int], what: str) -> None:
@@ -224,6 +227,25 @@ class ChatMessage(_Model):
         return v
 
 
+class LoraSpec(_Model):
+    """A LoRA adapter as PEFT's ``adapter_config.json`` describes it (what a LoRA push carries).
+
+    Its tensors are named as PEFT saves them: ``base_model.model.<module>.lora_A.weight``
+    (``[rank, in_features]``) and ``...lora_B.weight`` (``[out_features, rank]``) for every module of
+    the base model whose name ends in one of ``target_modules`` (``"q_proj"``, ``"v_proj"``).
+    The update is ``W x + (alpha / rank) * B A x``.
+    """
+
+    name: str = Field(pattern=LORA_NAME_PATTERN, description="What requests name in GenerateRequest.lora.")
+    rank: int = Field(ge=1, le=MAX_LORA_RANK)
+    alpha: float = Field(gt=0.0, allow_inf_nan=False)
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(min_length=1, max_length=256)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 class GenerateRequest(_Model):
     """A batch: exactly one of ``prompt_token_ids``, ``prompts`` or ``messages`` (one chat per entry)."""
 
@@ -236,6 +258,10 @@ class GenerateRequest(_Model):
         default=None,
         description="One id per prompt x sample (prompt-major), unique among the engine's running "
         "requests; assigned when absent. Abort takes these ids.",
+    )
+    lora: str | None = Field(
+        default=None, pattern=LORA_NAME_PATTERN,
+        description="Name of a loaded LoRA adapter every prompt of the request uses; None: the base model.",
     )
     continue_from: list[Completion] | None = Field(
         default=None,
@@ -379,6 +405,8 @@ class Completion(_Model):
         description="One weight version per output token, when the completion spans more than one "
         "version (a rollout paused and continued across a push); None when all are weight_version.",
     )
+    lora: str | None = Field(default=None, description="The LoRA adapter that produced it (None: base model).")
+    lora_version: int | None = Field(default=None, description="That adapter's version (its push's version).")
 
     def versions(self) -> list[int]:
         """The weight version of every output token."""
@@ -409,6 +437,7 @@ class EngineInfo(_Model):
     outstanding: int = 0
     healthy: bool = True
     capabilities: dict[str, Any] = Field(default_factory=dict)
+    loras: dict[str, int] = Field(default_factory=dict, description="Loaded LoRA adapters: name -> version.")
     extra: dict[str, Any] = Field(default_factory=dict)
 
 

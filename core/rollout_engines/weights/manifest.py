@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import ManifestMismatch
+from ..types import LoraSpec
 
 #: Tensors start on this boundary inside a bucket, so a view of any dtype is aligned.
 ALIGN = 256
@@ -135,6 +136,9 @@ class WeightManifest(BaseModel):
     allow_rollback: bool = False
     options: dict[str, Any] = Field(default_factory=dict)
     delta: DeltaSpec | None = None
+    #: Set for a LoRA push (:meth:`WeightSync.push_lora`): the tensors are that adapter's, named as
+    #: PEFT names them; ``version`` is the adapter's version, not the base weights'.
+    lora: LoraSpec | None = None
 
     _timeout = field_validator("timeout_s")(classmethod(lambda cls, v: check_timeout(v)))
 
@@ -202,6 +206,7 @@ def plan_manifest(
     partial: bool = False,
     allow_rollback: bool = False,
     delta: DeltaSpec | None = None,
+    lora: LoraSpec | None = None,
 ) -> WeightManifest:
     """Lay tensors out into buckets of at most ``bucket_bytes`` (a larger tensor gets its own).
     Raises :class:`ManifestMismatch` for duplicate names."""
@@ -246,6 +251,7 @@ def plan_manifest(
         partial=partial,
         allow_rollback=allow_rollback,
         delta=delta,
+        lora=lora,
     )
 
 
@@ -341,7 +347,7 @@ def specs_of(named: Sequence[tuple[str, Any]]) -> list[TensorSpec]:
 # collective_rpc) send the layout as one JSON string, and the far side parses and validates a
 # layout only when it differs from the last one it saw (a string comparison), so a steady push
 # costs neither side the hundreds of pydantic objects of a 300-tensor manifest.
-_LAYOUT_FIELDS = {"version", "session_id", "partial", "allow_rollback", "delta"}
+_LAYOUT_FIELDS = {"version", "session_id", "partial", "allow_rollback", "delta", "lora"}
 _sent: tuple[list[TensorPlacement], str] | None = None
 _received: tuple[str, WeightManifest] | None = None
 
@@ -359,6 +365,8 @@ def manifest_to_wire(manifest: WeightManifest) -> dict[str, Any]:
             "allow_rollback": manifest.allow_rollback, "layout": layout}
     if manifest.delta is not None:  # changes every push: not part of the cached layout
         wire["delta"] = manifest.delta.model_dump(mode="json")
+    if manifest.lora is not None:
+        wire["lora"] = manifest.lora.model_dump(mode="json")
     return wire
 
 
@@ -369,7 +377,8 @@ def manifest_from_wire(wire: Mapping[str, Any]) -> WeightManifest:
     received = _received
     update = {"version": int(wire["version"]), "session_id": str(wire["session_id"]),
               "partial": bool(wire.get("partial", False)), "allow_rollback": bool(wire.get("allow_rollback", False)),
-              "delta": DeltaSpec.model_validate(wire["delta"]) if wire.get("delta") is not None else None}
+              "delta": DeltaSpec.model_validate(wire["delta"]) if wire.get("delta") is not None else None,
+              "lora": LoraSpec.model_validate(wire["lora"]) if wire.get("lora") is not None else None}
     if received is not None and received[0] == wire["layout"]:
         return received[1].model_copy(update=update)
     import json

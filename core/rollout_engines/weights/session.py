@@ -27,6 +27,7 @@ from ..errors import (
     StaleVersion,
     WeightSyncError,
 )
+from ..types import LoraSpec
 from .buckets import (
     BucketHeader,
     alloc_bucket,
@@ -153,6 +154,7 @@ class WeightSync:
         self._layout: tuple[tuple[Any, ...], WeightManifest] | None = None
         #: Per bucket of the current layout: each tensor's name, dtype and shape, as torch objects.
         self._expected: dict[int, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
+        self._send_error: BaseException | None = None
 
     async def push(
         self,
@@ -228,6 +230,51 @@ class WeightSync:
             )
             self._layout = (key, manifest)
             self._expected = {}
+        plan_failed = await self._send(manifest, items)
+        if plan_failed is not None and self._tracker is not None:
+            self._tracker.invalidate()  # the engines' states are not known alike: the next push is full
+            if any(getattr(r, "sparse_unsupported", False) for _, r in plan_failed):
+                self._tracker.sparse = False
+        self._raise_failures(version, plan_failed)
+        self.version = version
+        self.last_push_bytes = sum(b.nbytes for b in manifest.buckets)
+        self.last_push_model_bytes = plan.model_bytes if plan is not None else manifest.total_bytes
+        if plan is not None and self._tracker is not None:
+            await asyncio.to_thread(self._tracker.commit, plan, version=version, partial=partial)
+        logger.info(
+            "pushed v%d: %.1f MB in %.3f s over %s to %d engine(s)%s", version, self.last_push_bytes / 1e6,
+            self.last_push_seconds, self.transport, len(self.engines),
+            f" (delta: {len(plan.skipped)} unchanged, {len(plan.sparse)} sparse, of "
+            f"{self.last_push_model_bytes / 1e6:.1f} MB)" if plan is not None and plan.spec.base_version is not None else "",
+        )
+        return version
+
+    async def push_lora(
+        self, adapter: LoraSpec, tensors: NamedTensors, *, version: int, allow_rollback: bool = False,
+    ) -> int:
+        """Send the LoRA adapter ``adapter`` (its ``lora_A``/``lora_B`` tensors, named as PEFT saves
+        them) to every engine, which installs it atomically under ``adapter.name`` once all of it
+        arrived and checked; requests then select it with ``GenerateRequest.lora``. ``version`` is
+        the adapter's own (it must increase per adapter unless ``allow_rollback``); the base weights
+        and their version are untouched. Raises :class:`ManifestMismatch` (a module the model lacks,
+        a shape that does not fit the rank, a rank above the engine's) with nothing installed."""
+        if self._closed:
+            raise WeightSyncError("this weight sync session is closed; connect a new one")
+        items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+        manifest = plan_manifest(
+            specs_of(items), version=version, bucket_bytes=self.bucket_bytes, transport=self.transport,
+            timeout_s=self.timeout_s, checksum=self.checksum, allow_rollback=allow_rollback, lora=adapter,
+        )
+        self._raise_failures(version, await self._send(manifest, items), what=f"LoRA '{adapter.name}' ")
+        logger.info("pushed LoRA '%s' v%d (rank %d): %.1f MB in %.3f s to %d engine(s)", adapter.name, version,
+                    adapter.rank, manifest.total_bytes / 1e6, self.last_push_seconds, len(self.engines))
+        return version
+
+    async def _send(
+        self, manifest: WeightManifest, items: Iterable[tuple[str, torch.Tensor]],
+    ) -> list[tuple[int, BaseException]] | None:
+        """Stream ``items`` as ``manifest`` lays them out while every engine receives; returns the
+        engines' failures (a failed send alone counts as ``[]``), or None when all applied it."""
         start = time.perf_counter()
         # The sender first: it describes or packs the first buckets while the manifest travels to
         # the engines (a process hop or a request), so receivers find them waiting.
@@ -236,14 +283,13 @@ class WeightSync:
         receivers = [asyncio.ensure_future(e.receive_weights(manifest)) for e in self.engines]
         await _gather_cancelling(self.sender, sending, receivers)
         self.last_push_seconds = time.perf_counter() - start
-        send_error = sending.exception()
-        recv_results = [r.exception() for r in receivers]
-        failures = [(i, r) for i, r in enumerate(recv_results) if r is not None]
-        if (failures or send_error is not None) and self._tracker is not None:
-            self._tracker.invalidate()  # the engines' states are not known alike: the next push is full
-            if any(getattr(r, "sparse_unsupported", False) for _, r in failures):
-                self._tracker.sparse = False
-        if failures or send_error is not None:
+        self._send_error = sending.exception()
+        failures = [(i, r) for i, r in enumerate(r.exception() for r in receivers) if r is not None]
+        return failures if failures or self._send_error is not None else None
+
+    def _raise_failures(self, version: int, failures: list[tuple[int, BaseException]] | None, what: str = "") -> None:
+        send_error, self._send_error = self._send_error, None
+        if failures is not None:
             parts = []
             if send_error is not None and not (failures and self.sender.cancelled.is_set()):
                 parts.append(f"sender: {send_error}")
@@ -259,21 +305,9 @@ class WeightSync:
             else:
                 if isinstance(first, WeightSyncError) and all(type(c) is type(first) for c in causes):
                     kind = type(first)
-            err = kind(f"weight update v{version} failed: " + " | ".join(parts))
+            err = kind(f"{what}weight update v{version} failed: " + " | ".join(parts))
             err.failures = failures  # type: ignore[attr-defined]
             raise err from first
-        self.version = version
-        self.last_push_bytes = sum(b.nbytes for b in manifest.buckets)
-        self.last_push_model_bytes = plan.model_bytes if plan is not None else manifest.total_bytes
-        if plan is not None and self._tracker is not None:
-            await asyncio.to_thread(self._tracker.commit, plan, version=version, partial=partial)
-        logger.info(
-            "pushed v%d: %.1f MB in %.3f s over %s to %d engine(s)%s", version, self.last_push_bytes / 1e6,
-            self.last_push_seconds, self.transport, len(self.engines),
-            f" (delta: {len(plan.skipped)} unchanged, {len(plan.sparse)} sparse, of "
-            f"{self.last_push_model_bytes / 1e6:.1f} MB)" if plan is not None and plan.spec.base_version is not None else "",
-        )
-        return version
 
     def _stream(self, manifest: WeightManifest, items: Iterator[tuple[str, torch.Tensor]]) -> None:
         sender = self.sender
