@@ -33,14 +33,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from rollout_engines import EngineConfig, GenerateRequest, SamplingParams, connect_weight_sync, create_engine
 from rollout_engines.bench.async_ import EngineSampler, IdleMeter
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # the task module beside this file, also when a
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # test loads this file by its path
+from toy_task import make_task, policy_terms, run_example  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,17 +83,7 @@ def policy_loss(model: Any, prompts: list[list[int]], batch: list[Rollout], targ
                 max_lag: int, is_cap: float) -> tuple[torch.Tensor, dict[str, float]]:
     """REINFORCE with reward-to-go and a per-position batch-mean baseline (as toy_rl), each token
     weighted by its truncated importance weight, chosen by its version lag."""
-    hits = [torch.tensor([float(t == target) for t in r.token_ids]) for r in batch]
-    rewards = [float(h.mean()) for h in hits]
-    togo = torch.stack([h.flip(0).cumsum(0).flip(0) / len(h) for h in hits])
-    advantage = togo - togo.mean(0, keepdim=True)
-    seqs = [torch.tensor(prompts[r.prompt_index] + r.token_ids) for r in batch]
-    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
-    logits = model(ids).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    n_gen = togo.shape[1]
-    starts = [len(prompts[r.prompt_index]) - 1 for r in batch]
-    logp_now = torch.stack([logp[i, s : s + n_gen] for i, s in enumerate(starts)])
+    logp_now, advantage, rewards = policy_terms(model, prompts, batch, target)
     # Per-token correction from the per-token versions.
     lag = version - torch.tensor([r.versions for r in batch])
     logp_engine = torch.tensor([r.logprobs for r in batch])
@@ -108,24 +103,9 @@ def policy_loss(model: Any, prompts: list[list[int]], batch: list[Rollout], targ
 
 
 async def train(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    path = args.model
-    if path is None:
-        from rollout_engines.testing.tiny_model import tiny_model_path
-
-        path = str(tiny_model_path())
-    torch.manual_seed(args.seed)
-    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    trainer.train()
-    engine = create_engine(EngineConfig(backend="transformers", model=path, dtype="float32", device="cpu"))
-    gen = torch.Generator().manual_seed(args.seed)
-    vocab = trainer.get_input_embeddings().weight.shape[0]
-    prompts = torch.randint(10, vocab - 10, (args.prompts, 6), generator=gen).tolist()
-    target = args.target_token
-    if target is None:  # the token the untrained model likes most: still rare
-        with torch.no_grad():
-            target = int(trainer(torch.tensor(prompts)).logits[:, -1].softmax(-1).mean(0).argmax())
+    task = make_task(args.model, args.prompts, args.seed, args.target_token)
+    trainer, prompts, target = task.trainer, task.prompts, task.target
+    engine = create_engine(EngineConfig(backend="transformers", model=task.path, dtype="float32", device="cpu"))
     optimizer = torch.optim.Adam(trainer.parameters(), lr=args.lr)
     sync = await connect_weight_sync([engine], "inproc")
 
@@ -234,15 +214,9 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    summary = asyncio.run(train(args))
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f} in {summary['seconds']} s; "
-              f"{summary['completions_spanning_updates']} rollouts spanned a push; "
-              f"engine idle {summary['idle_fraction']}")
-    return summary
+    return run_example(train, parse_args(argv), lambda s: (
+        f"reward {s['reward_first']:.3f} -> {s['reward_last']:.3f} in {s['seconds']} s; "
+        f"{s['completions_spanning_updates']} rollouts spanned a push; engine idle {s['idle_fraction']}"))
 
 
 if __name__ == "__main__":

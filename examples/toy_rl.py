@@ -27,13 +27,17 @@ the pushes then carry those layers alone.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from rollout_engines import EngineConfig, GenerateRequest, SamplingParams, connect_weight_sync, create_engine
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # the task module beside this file, also when a
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # test loads this file by its path
+from toy_task import make_task, policy_terms, run_example  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,50 +61,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def reinforce_loss(model: Any, prompts: list[list[int]], outs: list[Any], target: int) -> tuple[torch.Tensor, float]:
     """Policy-gradient loss over the engine's samples, and their mean reward."""
-    seqs = [torch.tensor(prompts[o.prompt_index] + o.token_ids) for o in outs]
-    hits = [torch.tensor([float(t == target) for t in o.token_ids]) for o in outs]
-    rewards = [float(h.mean()) for h in hits]
-    # Reward-to-go per generated token (target hits at or after it, normalised like the reward).
-    togo = torch.stack([h.flip(0).cumsum(0).flip(0) / len(h) for h in hits])
-    advantage = togo - togo.mean(0, keepdim=True)
-    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
-    logits = model(ids).logits.float()
-    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    n_gen = togo.shape[1]
-    starts = [len(prompts[o.prompt_index]) - 1 for o in outs]
-    gen_logp = torch.stack([logp[i, s : s + n_gen] for i, s in enumerate(starts)])
+    gen_logp, advantage, rewards = policy_terms(model, prompts, outs, target)
     loss = -(advantage * gen_logp).sum(1).mean()
     return loss, sum(rewards) / len(rewards)
 
 
 async def train(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    path = args.model
-    if path is None:
-        from rollout_engines.testing.tiny_model import tiny_model_path
-
-        path = str(tiny_model_path())
-    torch.manual_seed(args.seed)
-    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    trainer.train()
+    task = make_task(args.model, args.prompts, args.seed, args.target_token)
+    trainer, prompts, target = task.trainer, task.prompts, task.target
     if args.freeze_embeddings:
         trainer.get_input_embeddings().weight.requires_grad_(False)
         trainer.get_output_embeddings().weight.requires_grad_(False)  # tied: the same tensor here
-    config = EngineConfig(backend="transformers", model=path, dtype="float32", device="cpu")
+    config = EngineConfig(backend="transformers", model=task.path, dtype="float32", device="cpu")
     if args.transport == "inproc":
         engine = create_engine(config)
     else:
         from rollout_engines.process import ProcessEngine
 
         engine = ProcessEngine(config)
-    gen = torch.Generator().manual_seed(args.seed)
-    vocab = trainer.get_input_embeddings().weight.shape[0]
-    prompts = torch.randint(10, vocab - 10, (args.prompts, 6), generator=gen).tolist()
-    target = args.target_token
-    if target is None:  # the token the untrained model likes most: still rare (about 0.3 %)
-        with torch.no_grad():
-            target = int(trainer(torch.tensor(prompts)).logits[:, -1].softmax(-1).mean(0).argmax())
     optimizer = torch.optim.Adam([p for p in trainer.parameters() if p.requires_grad], lr=args.lr)
     sync = await connect_weight_sync([engine], args.transport, delta=args.delta)
     rewards: list[float] = []
@@ -143,13 +121,8 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    summary = asyncio.run(train(args))
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(f"reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f} in {summary['seconds']} s")
-    return summary
+    return run_example(train, parse_args(argv), lambda s: (
+        f"reward {s['first_reward']:.3f} -> {s['last_reward']:.3f} in {s['seconds']} s"))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ model: its "generation" repeats each prompt's last token).
 The record is read back through the proxy itself: ``(await engine.info()).extra["calls"]``.
 ``options["close_marker"]``: a file it writes when it is closed (a closed far engine cannot answer
 ``info`` any more). A weight update whose ``session_id`` is ``"refuse"`` fails with a
-:class:`WeightSyncError` naming a peer and a bucket.
+:class:`WeightSyncError` naming a peer and a bucket. LoRA pushes are taken (nothing is kept: the
+base class keeps the names and versions).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class RecordingEngine(Engine):
     backend_name = "recording"
     capabilities = Capabilities(
         logprobs=False, stop_strings=False, seed=False, sleep_levels=(1,), sleep_tags=("weights", "kv_cache"),
-        pause_modes=("abort", "keep"), streaming=True, abort=True, transports=("gloo",),
+        pause_modes=("abort", "keep"), streaming=True, abort=True, transports=("gloo",), lora=8, max_loras=2,
     )
 
     def __init__(self, config: EngineConfig) -> None:
@@ -92,6 +93,12 @@ class RecordingEngine(Engine):
     async def _receive_weights(self, manifest: WeightManifest) -> None:
         if manifest.session_id == "refuse":
             raise WeightSyncError("the trainer sent a bad bucket", peer="trainer (rank 0)", bucket=3)
+
+    async def _receive_lora(self, manifest: WeightManifest) -> None:
+        return None
+
+    async def _unload_lora(self, name: str) -> None:
+        return None
 
     async def _close(self) -> None:
         marker = self.config.options.get("close_marker")

@@ -42,21 +42,6 @@ def make(tiny_model: Path, **options: Any) -> TransformersEngine:
     return e
 
 
-@pytest.fixture
-def engine(tiny_model: Path):
-    e = make(tiny_model)
-    yield e
-    asyncio.run(e.close())
-
-
-async def wait_until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + PATIENCE_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        await asyncio.sleep(0.002)
-
-
 def made(engine: TransformersEngine, rid: str) -> int:
     """Tokens generated so far by the running row with request id ``rid`` (0 before it started)."""
     hit = engine._ids.get(rid)
@@ -87,7 +72,7 @@ async def test_request_ids_on_every_completion(engine: TransformersEngine) -> No
     assert all(c.request_id for c in fresh) and len({c.request_id for c in fresh}) == 2
 
 
-async def test_duplicate_running_request_id_is_refused(engine: TransformersEngine) -> None:
+async def test_duplicate_running_request_id_is_refused(engine: TransformersEngine, wait_until: Callable[..., Any]) -> None:
     long = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:1], sampling=endless(),
                                                                  request_ids=["same"])))
     await wait_until(lambda: made(engine, "same") > 0, "the long request runs")
@@ -99,7 +84,7 @@ async def test_duplicate_running_request_id_is_refused(engine: TransformersEngin
     assert again[0].request_id == "same"
 
 
-async def test_a_request_joins_the_running_batch_and_finishes_first(engine: TransformersEngine) -> None:
+async def test_a_request_joins_the_running_batch_and_finishes_first(engine: TransformersEngine, wait_until: Callable[..., Any]) -> None:
     short = GenerateRequest(prompts=PROMPTS[1:2], sampling=greedy(8))
     alone = await engine.generate(short)
     long = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:1], sampling=endless(),
@@ -180,7 +165,7 @@ async def test_a_slow_consumer_holds_a_bounded_buffer(tiny_model: Path) -> None:
         await engine.close()
 
 
-async def test_a_stream_left_early_stops_its_rows(engine: TransformersEngine) -> None:
+async def test_a_stream_left_early_stops_its_rows(engine: TransformersEngine, wait_until: Callable[..., Any]) -> None:
     request = GenerateRequest(prompts=PROMPTS[:1], sampling=endless(), request_ids=["left"])
     agen = engine.stream(request)
     async for d in agen:
@@ -192,7 +177,7 @@ async def test_a_stream_left_early_stops_its_rows(engine: TransformersEngine) ->
 
 
 # ---- abort ---------------------------------------------------------------------------------------
-async def test_abort_returns_partial_results_promptly(engine: TransformersEngine) -> None:
+async def test_abort_returns_partial_results_promptly(engine: TransformersEngine, wait_until: Callable[..., Any]) -> None:
     rids = ["a0", "a1"]
     task = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:1], sampling=endless(n=2),
                                                                  request_ids=rids)))
@@ -213,7 +198,7 @@ async def test_abort_returns_partial_results_promptly(engine: TransformersEngine
     assert full[0].token_ids == outs[1].token_ids, "the partial tokens are the real prefix"
 
 
-async def test_abort_all_and_abort_of_a_queued_request(engine: TransformersEngine) -> None:
+async def test_abort_all_and_abort_of_a_queued_request(engine: TransformersEngine, wait_until: Callable[..., Any]) -> None:
     gate = threading.Event()
     blocker = asyncio.ensure_future(engine._call(gate.wait))
     queued = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:2], sampling=endless(),
@@ -248,7 +233,7 @@ async def test_abort_ends_a_stream_with_an_abort_delta(engine: TransformersEngin
 
 
 # ---- pause modes ---------------------------------------------------------------------------------
-async def test_pause_wait_drains_and_admits_nothing_new(engine: TransformersEngine) -> None:
+async def test_pause_wait_drains_and_admits_nothing_new(engine: TransformersEngine, wait_until: Callable[..., Any]) -> None:
     task = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:1], sampling=greedy(200),
                                                                  request_ids=["w"])))
     await wait_until(lambda: made(engine, "w") > 0, "it runs")
@@ -261,7 +246,7 @@ async def test_pause_wait_drains_and_admits_nothing_new(engine: TransformersEngi
     assert len((await asyncio.wait_for(later, PATIENCE_S))[0].token_ids) == 2
 
 
-async def test_pause_abort_returns_partial_results(engine: TransformersEngine) -> None:
+async def test_pause_abort_returns_partial_results(engine: TransformersEngine, wait_until: Callable[..., Any]) -> None:
     task = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:1], sampling=endless(),
                                                                  request_ids=["pa"])))
     await wait_until(lambda: made(engine, "pa") >= 3, "it runs")
@@ -271,7 +256,7 @@ async def test_pause_abort_returns_partial_results(engine: TransformersEngine) -
     await engine.resume()
 
 
-async def test_pause_keep_push_resume_continues_with_new_weights(engine: TransformersEngine, tiny_model: Path) -> None:
+async def test_pause_keep_push_resume_continues_with_new_weights(engine: TransformersEngine, tiny_model: Path, wait_until: Callable[..., Any]) -> None:
     original = load_checkpoint(tiny_model)
     prompt = PROMPTS[:1]
     task = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=prompt, sampling=greedy(40, logprobs=1),
@@ -301,7 +286,7 @@ async def test_pause_keep_push_resume_continues_with_new_weights(engine: Transfo
     assert reference[0].token_ids[:frozen_at] == out.token_ids[:frozen_at]
 
 
-async def test_keep_kv_option_keeps_the_old_cache(tiny_model: Path) -> None:
+async def test_keep_kv_option_keeps_the_old_cache(tiny_model: Path, wait_until: Callable[..., Any]) -> None:
     engine = make(tiny_model, keep_kv_on_weight_change=True)
     try:
         task = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:1], sampling=greedy(30),
@@ -320,7 +305,7 @@ async def test_keep_kv_option_keeps_the_old_cache(tiny_model: Path) -> None:
         await engine.close()
 
 
-async def test_sleep_while_kept_recomputes_the_cache(engine: TransformersEngine) -> None:
+async def test_sleep_while_kept_recomputes_the_cache(engine: TransformersEngine, wait_until: Callable[..., Any]) -> None:
     request = GenerateRequest(prompts=PROMPTS[:2], sampling=greedy(30), request_ids=["z0", "z1"])
     reference = ids(await engine.generate(request))
     task = asyncio.ensure_future(engine.generate(request))

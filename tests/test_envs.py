@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from rollout_engines import BackendSpec, hookimpl
 from rollout_engines.envs import RAY_NOSET, RayBundle, setup_device_env
+from rollout_engines.plugins import Registry, reset_registry
 
 
 def test_gpu_ids_set_visible_devices():
@@ -13,14 +15,40 @@ def test_gpu_ids_set_visible_devices():
     assert env == {"CUDA_VISIBLE_DEVICES": "2,3", "OTHER": "x"}
 
 
-def test_ray_executor_sees_the_node_and_gets_bundles():
+def placed_env(bundle: RayBundle) -> dict[str, str]:
+    """The ``ray_bundle_env`` of the test backend 'placed': what its library would read."""
+    return {"PLACED_BUNDLES": ",".join(map(str, bundle.bundle_indices)), "PLACED_GPUS": repr(bundle.gpus_per_worker)}
+
+
+class _PlacedPlugin:
+    @hookimpl
+    def register_backends(self, register):
+        register(BackendSpec(name="placed", target="placed_lib:Engine", install_hint="-",
+                             ray_bundle_env=f"{__name__}:placed_env"))
+
+
+@pytest.fixture
+def placed_backend():
+    registry = Registry()
+    registry.add_plugin(_PlacedPlugin(), name="placed")
+    reset_registry(registry)
+    yield
+    reset_registry(None)
+
+
+def test_ray_executor_sees_the_node_and_gets_the_backends_bundle_variables(placed_backend):
     env = {"CUDA_VISIBLE_DEVICES": "1"}
-    changes = setup_device_env("vllm", ray_bundle={"bundle_indices": [4, 5], "gpus_per_worker": 0.5}, environ=env)
-    assert changes == {
-        RAY_NOSET: "1", "CUDA_VISIBLE_DEVICES": None,
-        "VLLM_RAY_BUNDLE_INDICES": "4,5", "VLLM_RAY_PER_WORKER_GPUS": "0.5",
-    }
-    assert env == {RAY_NOSET: "1", "VLLM_RAY_BUNDLE_INDICES": "4,5", "VLLM_RAY_PER_WORKER_GPUS": "0.5"}
+    changes = setup_device_env("placed", ray_bundle={"bundle_indices": [4, 5], "gpus_per_worker": 0.5}, environ=env)
+    assert changes == {RAY_NOSET: "1", "CUDA_VISIBLE_DEVICES": None, "PLACED_BUNDLES": "4,5", "PLACED_GPUS": "0.5"}
+    assert env == {RAY_NOSET: "1", "PLACED_BUNDLES": "4,5", "PLACED_GPUS": "0.5"}
+
+
+def test_a_backend_without_bundle_variables_gets_only_the_generic_ones(placed_backend):
+    """The core names no engine library's variables: a backend that declares none gets none."""
+    env = {"CUDA_VISIBLE_DEVICES": "1"}
+    for backend in ("transformers", "vllm", "unknown"):  # vllm is not registered in this registry
+        changes = setup_device_env(backend, ray_bundle={"bundle_indices": [4, 5]}, environ=dict(env))
+        assert changes == {RAY_NOSET: "1", "CUDA_VISIBLE_DEVICES": None}
 
 
 def test_mp_executor_in_a_ray_actor_sees_its_assigned_gpus():
@@ -49,36 +77,3 @@ def test_apply_false_leaves_the_environment_alone():
 def test_bad_input_says_what_to_do(kwargs, match):
     with pytest.raises(ValueError, match=match):
         setup_device_env("vllm", environ={}, **kwargs)
-
-
-GUARD_SCRIPT = """
-import os, signal, threading, time
-from rollout_engines.envs import guard_child_failure_signal, install_child_failure_guard
-
-hits = []
-assert install_child_failure_guard()
-box = {}
-# An engine created on a loop thread registers there (where no handler can be installed).
-t = threading.Thread(target=lambda: box.setdefault("unregister", guard_child_failure_signal(lambda: hits.append(1))))
-t.start(); t.join()
-os.kill(os.getpid(), signal.SIGQUIT)
-time.sleep(0.2)
-print("survived", hits, flush=True)
-box["unregister"]()
-os.kill(os.getpid(), signal.SIGQUIT)  # no engine left: the default action ends the process
-time.sleep(2)
-print("still alive", flush=True)
-"""
-
-
-def test_sigquit_guard_protects_while_an_engine_is_registered_and_not_after():
-    """SGLang's failing workers SIGQUIT their parent: with an engine registered (even from another
-    thread) the trainer survives and the engine hears of it; with none, SIGQUIT acts as before."""
-    import signal
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", GUARD_SCRIPT], capture_output=True, text=True, timeout=60)
-    assert "survived [1]" in proc.stdout, proc.stderr
-    assert "still alive" not in proc.stdout
-    assert proc.returncode == -signal.SIGQUIT

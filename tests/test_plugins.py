@@ -186,3 +186,37 @@ def test_import_is_light() -> None:
     code = "import sys, rollout_engines; print([m for m in ('torch', 'vllm', 'ray', 'fastapi') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_listed_capabilities_agree_with_the_engine_class() -> None:
+    """A backend's registration lists some capabilities without importing its engine (for
+    ``rollout-engines backends``); each must be what the engine class declares (lists: everything
+    the class declares and what other devices add, e.g. CUDA transports), so the listing cannot
+    drift from the engine."""
+    from rollout_engines.plugins import get_registry
+    from rollout_engines.proxy import ProxyEngine
+
+    registry = get_registry()
+    checked = 0
+    for record in registry.records():
+        if record.spec is None or not record.installed or record.duplicate_of:
+            continue
+        try:
+            cls = registry.load_backend(record.name)
+        except roe.errors.BackendNotInstalled:
+            continue  # its engine library is not in this environment
+        if issubclass(cls, ProxyEngine):
+            continue  # a proxy declares what the engine it reaches declares, known once connected
+        declared = cls.capabilities.model_dump(mode="json")
+        for key, value in record.spec.capabilities.items():
+            assert key in declared, f"{record.name}: lists unknown capability '{key}'"
+            if isinstance(value, (list, tuple)):  # the listing names every device's (a superset)
+                assert set(declared[key]) <= set(value), (
+                    f"{record.name}: lists {key}={value!r}; its engine class declares {declared[key]!r} too"
+                )
+            else:
+                assert declared[key] == value, (
+                    f"{record.name}: lists {key}={value!r}, its engine class declares {declared[key]!r}"
+                )
+        checked += 1
+    assert checked >= 1  # the built-in transformers backend at least

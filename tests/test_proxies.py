@@ -29,6 +29,7 @@ from rollout_engines import (
     EngineProtocol,
     GenerateRequest,
     InvalidRequest,
+    LoraSpec,
     ManifestMismatch,
     SamplingParams,
     StaleVersion,
@@ -55,6 +56,13 @@ KINDS = ("process", "ray", "remote", "adapter")
 def manifest(version: int, session: str = "s1"):
     return plan_manifest([TensorSpec(name="w", dtype="float32", shape=(2, 2))], version=version,
                          transport="gloo").model_copy(update={"session_id": session})
+
+
+def lora_manifest(version: int, name: str = "adapter-1"):
+    spec = LoraSpec(name=name, rank=2, alpha=4.0, target_modules=["w"])
+    tensors = [TensorSpec(name="base_model.model.w.lora_A.weight", dtype="float32", shape=(2, 2)),
+               TensorSpec(name="base_model.model.w.lora_B.weight", dtype="float32", shape=(2, 2))]
+    return plan_manifest(tensors, version=version, transport="gloo", lora=spec).model_copy(update={"session_id": "s1"})
 
 
 def config(tmp_path: Path) -> EngineConfig:
@@ -160,6 +168,16 @@ async def _receive(engine: EngineProtocol) -> None:
     assert engine.weight_version == 1
 
 
+async def _unload_lora(engine: EngineProtocol) -> None:
+    base = engine.weight_version
+    assert await engine.receive_weights(lora_manifest(3)) == 3  # a LoRA push: the adapter's version
+    assert engine.weight_version == base and engine.loras == {"adapter-1": 3}
+    assert (await engine.info()).loras == {"adapter-1": 3}
+    assert await engine.unload_lora("adapter-1") is True
+    assert engine.loras == {} and (await engine.info()).loras == {}
+    assert await engine.unload_lora("adapter-1") is False
+
+
 async def _health(engine: EngineProtocol) -> None:
     assert await engine.health() is True
 
@@ -189,6 +207,7 @@ CALLS: dict[str, Callable[[EngineProtocol], Awaitable[None]]] = {
     "init_weight_transfer": lambda e: e.init_weight_transfer(TransportSpec(transport="gloo", session_id="s1")),
     "receive_weights": _receive,
     "close_weight_transfer": lambda e: e.close_weight_transfer(),
+    "unload_lora": _unload_lora,
     "info": _info,
     "health": _health,
     "diagnostics": _diagnostics,

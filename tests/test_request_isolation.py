@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from rollout_engines import GenerateRequest, InvalidRequest, SamplingParams, create_engine
+from rollout_engines import GenerateRequest, InvalidRequest, SamplingParams
 from rollout_engines.backends.transformers import engine as engine_module
 from rollout_engines.backends.transformers import generation
 from rollout_engines.backends.transformers.engine import TransformersEngine
@@ -35,34 +34,24 @@ def greedy(max_tokens: int = 8, **kw: Any) -> SamplingParams:
 
 
 @pytest.fixture
-def engine(tiny_model: Path):
-    e = create_engine("transformers", model=str(tiny_model), dtype="float32")
-    assert isinstance(e, TransformersEngine)
-    yield e
-    asyncio.run(e.close())
+def merged(engine: TransformersEngine, wait_until: Callable[..., Any]) -> Callable[..., Awaitable[list[Any]]]:
+    """``await merged(*calls)``: run the calls as one merged batch of ``engine`` (its worker is held
+    until all are queued); their results or errors."""
 
+    async def run(*calls: Awaitable[Any]) -> list[Any]:
+        gate = threading.Event()
+        blocker = asyncio.ensure_future(engine._call(gate.wait))
+        tasks = [asyncio.ensure_future(c) for c in calls]
 
-async def wait_until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + PATIENCE_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        await asyncio.sleep(0.005)
+        def settled() -> int:  # queued behind the held worker, or already failed before queuing
+            return sum(isinstance(j, engine_module._GenerateJob) for j in list(engine._jobs)) + sum(t.done() for t in tasks)
 
+        await wait_until(lambda: settled() >= len(calls), "every request is queued")
+        gate.set()
+        await blocker
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), PATIENCE_S)
 
-async def merged(engine: TransformersEngine, *calls: Awaitable[Any]) -> list[Any]:
-    """Run the calls as one merged batch (the worker is held until all are queued); results or errors."""
-    gate = threading.Event()
-    blocker = asyncio.ensure_future(engine._call(gate.wait))
-    tasks = [asyncio.ensure_future(c) for c in calls]
-
-    def settled() -> int:  # queued behind the held worker, or already failed before queuing
-        return sum(isinstance(j, engine_module._GenerateJob) for j in list(engine._jobs)) + sum(t.done() for t in tasks)
-
-    await wait_until(lambda: settled() >= len(calls), "every request is queued")
-    gate.set()
-    await blocker
-    return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), PATIENCE_S)
+    return run
 
 
 def innocent(i: int) -> GenerateRequest:
@@ -70,11 +59,11 @@ def innocent(i: int) -> GenerateRequest:
 
 
 # ---- one bad request fails alone ------------------------------------------------------------------
-async def test_a_prompt_outside_the_vocabulary_fails_alone(engine: TransformersEngine) -> None:
+async def test_a_prompt_outside_the_vocabulary_fails_alone(engine: TransformersEngine, merged: Callable[..., Any]) -> None:
     alone = [await engine.generate(innocent(i)) for i in range(10)]
     batches = engine.batches_run
     bad = GenerateRequest(prompt_token_ids=[[1, engine.vocab_size + 7]], sampling=greedy(6))  # passes validation
-    results = await merged(engine, *(engine.generate(innocent(i)) for i in range(5)), engine.generate(bad),
+    results = await merged(*(engine.generate(innocent(i)) for i in range(5)), engine.generate(bad),
                            *(engine.generate(innocent(i)) for i in range(5, 10)))
     assert isinstance(results[5], InvalidRequest) and "outside the model's vocabulary" in str(results[5])
     good = results[:5] + results[6:]
@@ -82,7 +71,7 @@ async def test_a_prompt_outside_the_vocabulary_fails_alone(engine: TransformersE
     assert engine.batches_run == batches + 1, "the ten innocent requests should have run as one batch"
 
 
-async def test_top_k_above_the_vocabulary_is_clamped(engine: TransformersEngine) -> None:
+async def test_top_k_above_the_vocabulary_is_clamped(engine: TransformersEngine, merged: Callable[..., Any]) -> None:
     def sampled(top_k: int) -> GenerateRequest:
         s = SamplingParams(temperature=1.0, top_k=top_k, seed=11, max_tokens=8, ignore_eos=True)
         return GenerateRequest(prompts=[PROMPT], sampling=s)
@@ -90,23 +79,23 @@ async def test_top_k_above_the_vocabulary_is_clamped(engine: TransformersEngine)
     # Bypassing validation (a value past MAX_TOP_K that pydantic would refuse): clamped all the same.
     huge = sampled(-1)
     huge.sampling = SamplingParams.model_construct(**{**huge.sampling.model_dump(), "top_k": 2**64})
-    results = await merged(engine, *(engine.generate(innocent(i)) for i in range(10)),
+    results = await merged(*(engine.generate(innocent(i)) for i in range(10)),
                            engine.generate(sampled(2**31 - 1)), engine.generate(huge))
     assert not [r for r in results if isinstance(r, BaseException)], results
     disabled = await engine.generate(sampled(-1))
     assert results[10][0].token_ids == results[11][0].token_ids == disabled[0].token_ids
 
 
-async def test_sampling_values_that_cannot_be_used_fail_alone(engine: TransformersEngine) -> None:
+async def test_sampling_values_that_cannot_be_used_fail_alone(engine: TransformersEngine, merged: Callable[..., Any]) -> None:
     bad = GenerateRequest(prompts=[PROMPT], sampling=greedy(6))
     bad.sampling = SamplingParams.model_construct(**{**bad.sampling.model_dump(), "temperature": float("nan")})
-    results = await merged(engine, engine.generate(innocent(0)), engine.generate(bad), engine.generate(innocent(1)))
+    results = await merged(engine.generate(innocent(0)), engine.generate(bad), engine.generate(innocent(1)))
     assert isinstance(results[1], InvalidRequest) and "sampling.temperature" in str(results[1])
     assert all(len(r[0].token_ids) == 6 for r in (results[0], results[2]))
 
 
 async def test_a_row_failing_during_the_batch_ends_only_its_request(
-    engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+    engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch, merged: Callable[..., Any]
 ) -> None:
     real_step = StopStrings.step
 
@@ -117,13 +106,13 @@ async def test_a_row_failing_during_the_batch_ends_only_its_request(
 
     monkeypatch.setattr(StopStrings, "step", step)
     bad = GenerateRequest(prompts=[PROMPT], sampling=greedy(16, ignore_eos=True, stop=["BOOM"]))
-    results = await merged(engine, engine.generate(innocent(0)), engine.generate(bad), engine.generate(innocent(1)))
+    results = await merged(engine.generate(innocent(0)), engine.generate(bad), engine.generate(innocent(1)))
     assert isinstance(results[1], RuntimeError) and "decoding failed" in str(results[1])
     assert all(len(r[0].token_ids) == 6 and r[0].finish_reason == "length" for r in (results[0], results[2]))
 
 
 async def test_a_merged_batch_that_fails_is_retried_request_by_request(
-    engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+    engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch, merged: Callable[..., Any]
 ) -> None:
     real = engine_module.run_batch
 
@@ -134,7 +123,7 @@ async def test_a_merged_batch_that_fails_is_retried_request_by_request(
 
     monkeypatch.setattr(engine_module, "run_batch", run_batch)
     bad = GenerateRequest(prompts=[PROMPT], sampling=SamplingParams(seed=666, max_tokens=4))
-    results = await merged(engine, *(engine.generate(innocent(i)) for i in range(3)), engine.generate(bad))
+    results = await merged(*(engine.generate(innocent(i)) for i in range(3)), engine.generate(bad))
     assert isinstance(results[3], ValueError)
     assert all(len(r[0].token_ids) == 6 for r in results[:3])
 
@@ -148,7 +137,7 @@ def test_too_many_stop_strings_and_too_long_a_prompt_are_refused_at_the_edge() -
 
 
 async def test_a_large_prompt_is_tokenized_off_the_worker(
-    engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+    engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch, wait_until: Callable[..., Any]
 ) -> None:
     """While a large text prompt is being tokenized, other requests are generated."""
     release = threading.Event()
@@ -220,10 +209,16 @@ async def test_stop_string_work_per_step_is_bounded(engine: TransformersEngine, 
 
 
 # ---- cancellation ---------------------------------------------------------------------------------
-async def test_cancelling_a_running_request_stops_it_and_spares_its_batch(engine: TransformersEngine) -> None:
+def _room(engine: TransformersEngine) -> int:
+    """The most tokens PROMPT leaves room for in the context window: a request that runs until
+    it is cancelled."""
+    return engine.max_model_len - len(engine.tokenizer(PROMPT)["input_ids"])
+
+
+async def test_cancelling_a_running_request_stops_it_and_spares_its_batch(engine: TransformersEngine, wait_until: Callable[..., Any]) -> None:
     short = GenerateRequest(prompts=["Once"], sampling=greedy(24, ignore_eos=True))
     alone = await engine.generate(short)
-    long = GenerateRequest(prompts=[PROMPT], sampling=SamplingParams(max_tokens=2**20, ignore_eos=True, n=4))
+    long = GenerateRequest(prompts=[PROMPT], sampling=SamplingParams(max_tokens=_room(engine), ignore_eos=True, n=4))
     gate = threading.Event()
     blocker = asyncio.ensure_future(engine._call(gate.wait))
     long_task = asyncio.ensure_future(engine.generate(long))
@@ -245,11 +240,11 @@ async def test_cancelling_a_running_request_stops_it_and_spares_its_batch(engine
     assert info.extra["requests_cancelled"] == 1
 
 
-async def test_cancelling_a_queued_request_removes_it(engine: TransformersEngine) -> None:
+async def test_cancelling_a_queued_request_removes_it(engine: TransformersEngine, wait_until: Callable[..., Any]) -> None:
     gate = threading.Event()
     blocker = asyncio.ensure_future(engine._call(gate.wait))
     long_task = asyncio.ensure_future(engine.generate(
-        GenerateRequest(prompts=[PROMPT], sampling=SamplingParams(max_tokens=2**20, ignore_eos=True))))
+        GenerateRequest(prompts=[PROMPT], sampling=SamplingParams(max_tokens=_room(engine), ignore_eos=True))))
     await wait_until(lambda: any(isinstance(j, engine_module._GenerateJob) for j in list(engine._jobs)),
                      "the request is queued")
     long_task.cancel()

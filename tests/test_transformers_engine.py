@@ -40,14 +40,6 @@ def greedy(max_tokens: int = 8, **kw: object) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
-@pytest.fixture
-def engine(tiny_model: Path):
-    e = create_engine("transformers", model=str(tiny_model), dtype="float32")
-    assert isinstance(e, TransformersEngine)
-    yield e
-    asyncio.run(e.close())
-
-
 async def push(e: TransformersEngine, tensors, version: int, transport: str = "inproc", **kw) -> int:
     sync = await connect_weight_sync([e], transport, timeout_s=60, **kw)
     try:
@@ -208,12 +200,16 @@ async def test_update_interrupted_midway(tiny_model: Path, mode: str) -> None:
         await engine.close()
 
 
-async def test_context_window_caps_generation(tiny_model: Path) -> None:
+async def test_context_window_holds_prompt_and_max_tokens(tiny_model: Path) -> None:
+    """The one window rule of every backend: len(prompt) + max_tokens <= max_model_len."""
     engine = create_engine("transformers", model=str(tiny_model), max_model_len=12)
     try:
         out = (await engine.generate(GenerateRequest(prompt_token_ids=[list(range(10, 18))],
-                                                      sampling=greedy(10, ignore_eos=True))))[0]
+                                                      sampling=greedy(4, ignore_eos=True))))[0]
         assert len(out.token_ids) == 4 and out.finish_reason == "length"
+        with pytest.raises(InvalidRequest, match=r"exceed the context window.*at most 4 here"):
+            await engine.generate(GenerateRequest(prompt_token_ids=[list(range(10, 18))],
+                                                  sampling=greedy(5, ignore_eos=True)))
         with pytest.raises(InvalidRequest, match="context window"):
             await engine.generate(GenerateRequest(prompt_token_ids=[list(range(10, 22))], sampling=greedy(1)))
         with pytest.raises(InvalidRequest, match="vocabulary"):

@@ -28,7 +28,15 @@ from .errors import (
 from .factory import acreate_engine, create_engine
 from .hookspecs import hookimpl
 from .plugins import BackendSpec, TransportEntry, get_registry
-from .types import ChatMessage, Completion, EngineConfig, EngineInfo, GenerateRequest, SamplingParams
+from .types import (
+    ChatMessage,
+    Completion,
+    EngineConfig,
+    EngineInfo,
+    GenerateRequest,
+    LoraSpec,
+    SamplingParams,
+)
 from .weights.manifest import ExpectedSpec, TensorSpec, TransportSpec, WeightManifest
 
 __version__ = "0.1.0"
@@ -61,7 +69,7 @@ __all__ = [
     "BackendLoadError", "BackendNotInstalled", "BackendSpec", "BlockingEngine", "Capabilities",
     "CapabilityError", "ChatMessage", "Completion", "DuplicateBackend", "Engine", "EngineAsleep", "EngineProtocol",
     "EngineClosed", "EngineConfig", "EngineGroup", "EngineInfo", "EngineUnavailable", "ExpectedSpec",
-    "GenerateRequest", "InvalidRequest", "ManifestMismatch", "RolloutEnginesError", "SamplingParams",
+    "GenerateRequest", "InvalidRequest", "LoraSpec", "ManifestMismatch", "RolloutEnginesError", "SamplingParams",
     "StaleVersion", "StateDictTarget", "TensorSpec", "TransportEntry", "TransportSpec", "UnknownBackend",
     "UnknownTransport", "WeightManifest", "WeightReceiver", "WeightTarget", "WeightSync", "WeightSyncError",
     "WeightsInvalidated", "acreate_engine", "connect_weight_sync", "create_engine", "get_registry",

@@ -2,7 +2,7 @@
 
     rollout-engines backends [--json]
     rollout-engines demo [--backend transformers] [--model PATH] [--engines N] [--ray] [--json]
-    rollout-engines check --backend NAME [--model PATH]
+    rollout-engines check --backend NAME [--model PATH] [--option KEY=VALUE ...]
     rollout-engines bench weight-sync|generate|group|push|async|refit ... --json
     rollout-engines serve --backend NAME --model PATH [--host H] [--port P] [--api-key K]
 
@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from .errors import RolloutEnginesError
+from .options import add_option_argument
 
 BENCHES = {
     "weight-sync": "rollout_engines.bench.weight_sync",
@@ -86,9 +87,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from .options import merge_options
     from .testing.conformance import run_conformance
 
-    return run_conformance(args.backend, args.model, list(args.pytest_args or []))
+    return run_conformance(args.backend, args.model, list(args.pytest_args or []),
+                           options=merge_options(args.option) or None)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -135,6 +138,7 @@ def build_parser(bench_module: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="run the conformance suite against a backend")
     p.add_argument("--backend", required=True)
     p.add_argument("--model", default=None)
+    add_option_argument(p, "engine option for every engine the suite creates (e.g. enable_lora=true)")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     p.set_defaults(func=cmd_check)
 

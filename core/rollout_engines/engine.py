@@ -24,13 +24,14 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .backend_kit import LoopThread
 from .errors import (
     CapabilityError,
     EngineAsleep,
     EngineClosed,
     InvalidRequest,
-    ManifestMismatch,
     StaleVersion,
+    UpdateRefused,
     WeightsInvalidated,
     WeightSyncError,
 )
@@ -297,7 +298,9 @@ class Engine(EngineProtocol):
     def _outstanding_count(self) -> int:
         return self._outstanding
 
-    def _is_healthy(self) -> bool:
+    def _can_serve(self) -> bool:
+        """Readiness (``info().healthy``): generation would be accepted now. Liveness is
+        :meth:`health` (not closed, no update stuck), which an asleep or invalidated engine keeps."""
         return not self._closed and self._weights_invalid is None and not self._receive_stuck()
 
     def _receive_stuck(self) -> bool:
@@ -556,12 +559,12 @@ class Engine(EngineProtocol):
         if not caps.lora:
             raise CapabilityError(f"backend '{name}' cannot load LoRA adapters (capability 'lora')")
         if spec.rank > caps.lora:
-            raise ManifestMismatch(
+            raise UpdateRefused(
                 f"LoRA adapter '{spec.name}' has rank {spec.rank}; engine '{name}' serves ranks up to "
                 f"{caps.lora} (raise the backend's max LoRA rank option)"
             )
         if spec.name not in self.loras and len(self.loras) >= caps.max_loras:
-            raise ManifestMismatch(
+            raise UpdateRefused(
                 f"engine '{name}' already holds {len(self.loras)} LoRA adapters (max_loras={caps.max_loras}); "
                 f"unload_lora() one of {sorted(self.loras)} first"
             )
@@ -597,7 +600,7 @@ class Engine(EngineProtocol):
             asleep=sorted(self._asleep),
             paused=self._paused,
             outstanding=self._outstanding_count(),
-            healthy=self._is_healthy(),
+            healthy=self._can_serve(),
             capabilities=self.capabilities.model_dump(),
             loras=dict(self.loras),
             extra={**self._extra_info(), **self._receive_info()},
@@ -653,15 +656,10 @@ class BlockingEngine:
 
     def __init__(self, engine: EngineProtocol) -> None:
         self.engine = engine
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="roe-blocking", daemon=True)
-        self._thread.start()
+        self._loop_thread = LoopThread("roe-blocking")
 
     def _run(self, factory: Callable[[], Awaitable[T]]) -> T:
-        async def call() -> T:
-            return await factory()
-
-        return asyncio.run_coroutine_threadsafe(call(), self._loop).result()
+        return self._loop_thread.run(factory)
 
     def generate(self, request: GenerateRequest) -> list[Completion]:
         return self._run(lambda: self.engine.generate(request))
@@ -679,12 +677,10 @@ class BlockingEngine:
         return self._run(self.engine.info)
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        if self._loop_thread.closed:
             return
         self._run(self.engine.close)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._loop_thread.close()
 
     def __enter__(self) -> BlockingEngine:
         return self

@@ -14,8 +14,9 @@ The rules:
 
   * workers started through Ray (``executor="ray"``, vLLM's Ray executor) must see every GPU of
     the node, so ``CUDA_VISIBLE_DEVICES`` is removed and the bundle indices and GPUs per worker
-    are handed to the engine library (vLLM: ``VLLM_RAY_BUNDLE_INDICES`` /
-    ``VLLM_RAY_PER_WORKER_GPUS``);
+    are handed to the engine library in the variables it reads, which the backend names through
+    its ``BackendSpec.ray_bundle_env`` (vLLM: ``VLLM_RAY_BUNDLE_INDICES`` /
+    ``VLLM_RAY_PER_WORKER_GPUS``); the core knows no engine library's variables;
   * workers started by the engine itself (``executor="mp"`` or a single worker) see only the
     GPUs Ray assigned to the actor (``ray_bundle.gpu_ids``, from ``ray.get_gpu_ids()``).
 - Nothing given: nothing changes.
@@ -30,8 +31,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
-from typing import Any, Literal
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -55,10 +56,15 @@ class RayBundle(BaseModel):
     )
 
 
-#: Variables the engine libraries read for Ray bundle placement (backend name -> variable names).
-_BUNDLE_VARS: dict[str, tuple[str, str]] = {
-    "vllm": ("VLLM_RAY_BUNDLE_INDICES", "VLLM_RAY_PER_WORKER_GPUS"),
-}
+def _ray_bundle_env(backend: str, bundle: RayBundle) -> dict[str, str]:
+    """The engine library's own variables for workers it starts through Ray, from the backend's
+    ``BackendSpec.ray_bundle_env`` (none where the backend is not installed or names none)."""
+    from .plugins import get_registry
+
+    record = get_registry().backends.get(backend)
+    if record is None or record.spec is None or record.spec.ray_bundle_env is None:
+        return {}
+    return dict(record.spec.load_ray_bundle_env()(bundle))
 
 
 def setup_device_env(
@@ -87,10 +93,7 @@ def setup_device_env(
         changes[RAY_NOSET] = "1"
         if bundle.executor == "ray":
             changes["CUDA_VISIBLE_DEVICES"] = None
-            names = _BUNDLE_VARS.get(backend)
-            if names is not None:
-                changes[names[0]] = ",".join(str(i) for i in bundle.bundle_indices)
-                changes[names[1]] = repr(bundle.gpus_per_worker)
+            changes.update(_ray_bundle_env(backend, bundle))
         else:
             if not bundle.gpu_ids:
                 raise ValueError(
@@ -131,67 +134,3 @@ def launch_env(changes: Mapping[str, str | None]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-_child_failure_callbacks: list[Callable[[], None]] = []
-
-
-def install_child_failure_guard() -> bool:
-    """Install the ``SIGQUIT`` handler of :func:`guard_child_failure_signal` now (main thread only;
-    returns whether it is installed). Call it early on the main thread when engines will be created
-    from other threads (an event loop's worker thread, a test harness): signal handlers can only
-    be installed from the main thread. While no engine is registered the handler does what the
-    previous one did (by default: end the process), so Ctrl-\\ keeps working."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return getattr(signal.getsignal(signal.SIGQUIT), "__name__", "") == "_on_child_failure"
-    previous = signal.getsignal(signal.SIGQUIT)
-    if getattr(previous, "__name__", "") == "_on_child_failure":
-        return True
-
-    def _on_child_failure(signum: int, frame: Any) -> None:
-        callbacks = list(_child_failure_callbacks)
-        if not callbacks:  # no engine to protect: the signal's previous handling
-            if callable(previous):
-                previous(signum, frame)
-            elif previous != signal.SIG_IGN:
-                signal.signal(signal.SIGQUIT, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGQUIT)
-            return
-        logger.error("SIGQUIT: an engine worker process failed")
-        for cb in callbacks:
-            try:
-                cb()
-            except Exception:  # one engine's callback must not stop the others'
-                logger.exception("child-failure callback failed")
-
-    signal.signal(signal.SIGQUIT, _on_child_failure)
-    return True
-
-
-def guard_child_failure_signal(callback: Callable[[], None]) -> Callable[[], None]:
-    """Route ``SIGQUIT`` (what SGLang's worker processes send their parent when they fail) to
-    ``callback`` instead of killing the process.
-
-    SGLang's own handler kills the parent's whole process tree, and without any handler the
-    signal's default action ends the process: either way a trainer hosting the engine dies with it.
-    Engines start SGLang off the main thread (so SGLang installs nothing) and register here; the
-    handler calls every registered callback. Returns a function that unregisters ``callback``.
-    Outside the main thread nothing can be installed (see :func:`install_child_failure_guard`): the
-    callback is registered, and a warning says the signal stays at its current handling.
-    """
-    _child_failure_callbacks.append(callback)
-    if not install_child_failure_guard():
-        logger.warning(
-            "not on the main thread: cannot install the SIGQUIT guard; a failing engine worker may end "
-            "this process. Call rollout_engines.envs.install_child_failure_guard() on the main thread "
-            "first, or create the engine there"
-        )
-
-    def unregister() -> None:
-        if callback in _child_failure_callbacks:
-            _child_failure_callbacks.remove(callback)
-
-    return unregister

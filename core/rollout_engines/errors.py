@@ -106,6 +106,11 @@ class StaleVersion(ManifestMismatch):
     to go back on purpose). Nothing was applied."""
 
 
+class UpdateRefused(ManifestMismatch):
+    """The engine refused the update from its description alone, before reading any of it (a LoRA
+    rank above what it serves, no free adapter slot). Nothing was applied."""
+
+
 class WeightsInvalidated(WeightSyncError):
     """The engine's weights are incomplete (an in-place update failed midway, or weights were
     released by sleep and not restored). It refuses to generate until a complete push arrives."""

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from .engine import EngineProtocol
+from .options import split_engine_kwargs
 from .plugins import get_registry
 from .types import EngineConfig
 
@@ -24,10 +25,8 @@ def create_engine(backend: str | EngineConfig = "transformers", model: str | Non
                 "create_engine needs model=PATH (for a tiny local test model: "
                 "rollout_engines.testing.tiny_model.tiny_model_path())"
             )
-        fields = set(EngineConfig.model_fields)
-        options = dict(kwargs.pop("options", {}) or {})
-        options.update({k: kwargs.pop(k) for k in list(kwargs) if k not in fields})
-        config = EngineConfig(backend=backend, model=model, options=options, **kwargs)
+        fields, options = split_engine_kwargs(kwargs)
+        config = EngineConfig(backend=backend, model=model, options=options, **fields)
     registry = get_registry()
     cls = registry.load_backend(config.backend)
     engine = cls(config)

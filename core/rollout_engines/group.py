@@ -30,6 +30,9 @@ What the group does:
 - **Weight sync**: :meth:`weight_receivers` is the sum over members; :meth:`init_weight_transfer`
   gives member *i* the rank offset ``spec.rank_offset + receivers of members 0..i-1``;
   :meth:`receive_weights` fans the manifest out to the members of the session.
+- **LoRA adapters**: a LoRA push (``WeightSync.push_lora``) goes to every member of the session
+  (the group's ``lora`` and ``max_loras`` are the smallest of its members'), ``unload_lora`` to
+  every member; a request naming an adapter goes only to members that hold it.
 - **Failures**: a member that raises an engine failure (:class:`EngineUnavailable`,
   :class:`EngineClosed`, connection errors, a dead actor, or any other error while its health check
   also fails) is marked down; its in-flight and queued requests are retried on the other members.
@@ -74,6 +77,9 @@ from .errors import (
     EngineAsleep,
     EngineClosed,
     EngineUnavailable,
+    InvalidRequest,
+    ManifestMismatch,
+    StaleVersion,
     WeightSyncError,
 )
 from .types import Completion, EngineConfig, GenerateRequest, PauseMode, StreamDelta
@@ -292,7 +298,11 @@ class EngineGroup(Engine):
         self, request: GenerateRequest, prefer: _Member | None = None
     ) -> tuple[_Member | None, deque[asyncio.Future[None]]]:
         """The member to send ``request`` to now, or None and the queue to wait in. ``prefer``
-        (the producer of a continued completion) takes it while it serves."""
+        (the producer of a continued completion) takes it while it serves. A request naming a LoRA
+        adapter goes only to members that hold it."""
+        lora = request.lora
+        if lora is not None:
+            return self._pick_holder(request, lora, prefer)
         if prefer is not None and prefer.serving:
             if self.max_outstanding is None or prefer.outstanding < self.max_outstanding:
                 return prefer, prefer.waiters
@@ -323,6 +333,29 @@ class EngineGroup(Engine):
             if m.serving and (limit is None or m.outstanding < limit) and (best is None or m.outstanding < best.outstanding):
                 best = m
         return best, self._waiters
+
+    def _pick_holder(
+        self, request: GenerateRequest, lora: str, prefer: _Member | None
+    ) -> tuple[_Member | None, deque[asyncio.Future[None]]]:
+        """:meth:`_pick` among the members that hold adapter ``lora`` (off the hot path)."""
+        limit = self.max_outstanding
+        holders = [m for m in self._members if lora in getattr(m.engine, "loras", {})]
+        if prefer is not None and prefer in holders and prefer.serving:
+            return (prefer if limit is None or prefer.outstanding < limit else None), prefer.waiters
+        if self.routing == "sticky" and request.session_id is not None and holders:
+            start = zlib.crc32(request.session_id.encode()) % len(holders)
+            holders = holders[start:] + holders[:start]
+            owner = next((m for m in holders if m.serving), None)
+            if owner is None:
+                return None, self._waiters
+            return (owner if limit is None or owner.outstanding < limit else None), owner.waiters
+        free = [m for m in holders if m.serving and (limit is None or m.outstanding < limit)]
+        return min(free, key=lambda m: m.outstanding, default=None), self._waiters
+
+    def _check_lora(self, request: GenerateRequest) -> None:
+        if request.lora is not None and not any(request.lora in getattr(m.engine, "loras", {}) for m in self._members):
+            raise InvalidRequest(f"no engine of the group holds LoRA adapter '{request.lora}'; push it again "
+                                 "(WeightSync.push_lora)")
 
     async def _wait(self, request: GenerateRequest, deadline: float | None, prefer: _Member | None = None) -> _Member:
         """Queue, in arrival order, for a slot (or for a member to come back). A request woken but
@@ -398,6 +431,7 @@ class EngineGroup(Engine):
             self._ensure_started()
         ids = request.request_ids or ()
         prefer = self._producer(request) if request.continue_from is not None else None
+        self._check_lora(request)
         self._enter(ids)
         try:
             while True:
@@ -460,6 +494,7 @@ class EngineGroup(Engine):
             self._ensure_started()
         ids = request.request_ids or ()
         prefer = self._producer(request) if request.continue_from is not None else None
+        self._check_lora(request)
         self._enter(ids)
         try:
             while True:
@@ -833,13 +868,11 @@ class EngineGroup(Engine):
         Members that applied it serve at the new version; members that failed (or were not in the
         session) get no traffic until they are brought up to date (see *Rejoin*)."""
         self._check_not_closed()
+        if manifest.lora is not None:
+            return await self._receive_lora_checked(manifest)
         self._ensure_started()
         assert self._weights_lock is not None
-        members = [m for m in self._members if m.in_session]
-        if not members:
-            raise WeightSyncError(
-                "no engine of the group is in a weight-sync session; connect one with connect_weight_sync([group], ...)"
-            )
+        members = self._session_members()
         async with self._weights_lock:
             results = await asyncio.gather(*(m.engine.receive_weights(manifest) for m in members), return_exceptions=True)
             ok = [m for m, r in zip(members, results, strict=True) if not isinstance(r, BaseException)]
@@ -871,6 +904,52 @@ class EngineGroup(Engine):
             task.add_done_callback(self._background.discard)
         return self.weight_version
 
+    def _session_members(self) -> list[_Member]:
+        members = [m for m in self._members if m.in_session]
+        if not members:
+            raise WeightSyncError(
+                "no engine of the group is in a weight-sync session; connect one with connect_weight_sync([group], ...)"
+            )
+        return members
+
+    async def _receive_lora(self, manifest: WeightManifest) -> None:
+        """A LoRA push to every member of the session. Members that failed keep what they had (a
+        request naming the adapter avoids those that lack it); the error names them."""
+        self._ensure_started()
+        assert self._weights_lock is not None and manifest.lora is not None
+        members = self._session_members()
+        async with self._weights_lock:
+            results = await asyncio.gather(*(m.engine.receive_weights(manifest) for m in members), return_exceptions=True)
+        failed = [(m, r) for m, r in zip(members, results, strict=True) if isinstance(r, BaseException)]
+        for m, r in failed:
+            if not isinstance(r, CLIENT_ERRORS):
+                self._mark_down(m, r)
+                m.in_session = False
+        if failed:
+            m, first = failed[0]
+            # One cause on every member (a refused adapter, a stale version): raised as that type.
+            kind: type[WeightSyncError] = WeightSyncError
+            if isinstance(first, StaleVersion | ManifestMismatch) and all(type(r) is type(first) for _, r in failed):
+                kind = type(first)
+            detail = " | ".join(f"member {m.index} ({m.engine.backend_name}): {r}" for m, r in failed)
+            raise kind(
+                f"LoRA '{manifest.lora.name}' v{manifest.version} failed on {len(failed)}/{len(members)} engines of "
+                f"the group: {detail}", peer=f"group member {m.index}",
+            ) from first
+
+    async def _unload_lora(self, name: str) -> None:
+        await self._fan_out(lambda e: e.unload_lora(name), "unload_lora")
+
+    async def unload_lora(self, name: str) -> bool:
+        """Unload adapter ``name`` from every member (also members that hold it after a LoRA push
+        that failed elsewhere); True if any held it."""
+        self._check_not_closed()
+        if name not in self.loras and not any(name in getattr(m.engine, "loras", {}) for m in self._members):
+            return False
+        await self._unload_lora(name)
+        self.loras.pop(name, None)
+        return True
+
     async def close_weight_transfer(self) -> None:
         members = [m for m in self._members if m.in_session]
         for m in members:
@@ -881,7 +960,7 @@ class EngineGroup(Engine):
     def _outstanding_count(self) -> int:
         return sum(m.outstanding for m in self._members)
 
-    def _is_healthy(self) -> bool:
+    def _can_serve(self) -> bool:
         return not self._closed and any(m.serving for m in self._members)
 
     def _extra_info(self) -> dict[str, Any]:
@@ -889,7 +968,7 @@ class EngineGroup(Engine):
 
     async def health(self) -> bool:
         """True while at least one member serves."""
-        return self._is_healthy()
+        return self._can_serve()
 
     async def _stop(self) -> None:
         tasks = [t for t in (self._health_task, *self._background) if t is not None]

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import pluggy
 
 if TYPE_CHECKING:
+    from .engine import EngineProtocol
     from .plugins import BackendSpec, TransportEntry
+    from .weights.manifest import WeightManifest
 
 PROJECT = "rollout_engines"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,20 +47,20 @@ def register_transports(register: Callable[[TransportEntry], None]) -> None:
 
 
 @_spec
-def engine_created(engine: Any) -> None:
+def engine_created(engine: EngineProtocol) -> None:
     """An engine was created (after its model loaded)."""
 
 
 @_spec
-def engine_closed(engine: Any) -> None:
+def engine_closed(engine: EngineProtocol) -> None:
     """An engine was closed."""
 
 
 @_spec
-def before_weight_update(engine: Any, manifest: Any) -> None:
+def before_weight_update(engine: EngineProtocol, manifest: WeightManifest) -> None:
     """An engine is about to receive the update described by ``manifest``."""
 
 
 @_spec
-def after_weight_update(engine: Any, manifest: Any, seconds: float, error: BaseException | None) -> None:
+def after_weight_update(engine: EngineProtocol, manifest: WeightManifest, seconds: float, error: BaseException | None) -> None:
     """An engine finished receiving an update (``error`` is None on success)."""

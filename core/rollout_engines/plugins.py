@@ -70,10 +70,31 @@ class BackendSpec(BaseModel):
         "backend's own API (function(GenerateArgs) -> dict, see rollout_engines.bench.generate); imported "
         "only by the benchmark. None: the benchmark reports this library's side alone.",
     )
+    ray_bundle_env: str | None = Field(
+        default=None,
+        description="'package.module:function' of a RayBundle returning the environment variables the "
+        "engine library reads to place workers it starts through Ray (vLLM: VLLM_RAY_BUNDLE_INDICES, "
+        "VLLM_RAY_PER_WORKER_GPUS); used by rollout_engines.envs.setup_device_env. Must import no engine library.",
+    )
+    main_thread_setup: str | None = Field(
+        default=None,
+        description="'package.module:function' of no arguments, to call on the main thread of a process "
+        "that will create engines of this backend from other threads (SGLang: its SIGQUIT guard, a signal "
+        "handler only the main thread can install). The pytest plugin calls it for tests marked with the "
+        "backend; None: nothing to do. Must import no engine library.",
+    )
 
     def load_generate_baseline(self) -> Any:
         """The :attr:`generate_baseline` function, or None where the backend has none."""
         return None if self.generate_baseline is None else _import_target(self.generate_baseline)
+
+    def load_ray_bundle_env(self) -> Any:
+        """The :attr:`ray_bundle_env` function, or None where the backend has none."""
+        return None if self.ray_bundle_env is None else _import_target(self.ray_bundle_env)
+
+    def load_main_thread_setup(self) -> Any:
+        """The :attr:`main_thread_setup` function, or None where the backend has none."""
+        return None if self.main_thread_setup is None else _import_target(self.main_thread_setup)
 
 
 class TransportEntry(BaseModel):

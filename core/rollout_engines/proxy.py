@@ -533,8 +533,9 @@ class ProxyEngine(EngineProtocol):
         return version
 
     async def unload_lora(self, name: str) -> bool:
+        unloaded = bool(await self._call("unload_lora", name=name))
         self.loras.pop(name, None)
-        return bool(await self._call("unload_lora", name=name))
+        return unloaded
 
     async def close_weight_transfer(self) -> None:
         if not self._closed:

@@ -435,7 +435,8 @@ class EngineInfo(_Model):
     asleep: list[str] = Field(default_factory=list, description="Tags currently released.")
     paused: bool = False
     outstanding: int = 0
-    healthy: bool = True
+    healthy: bool = Field(default=True, description="Ready: generation is accepted now (not closed, weights "
+                          "valid, no update stuck). Liveness is Engine.health().")
     capabilities: dict[str, Any] = Field(default_factory=dict)
     loras: dict[str, int] = Field(default_factory=dict, description="Loaded LoRA adapters: name -> version.")
     extra: dict[str, Any] = Field(default_factory=dict)

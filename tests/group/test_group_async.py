@@ -44,14 +44,6 @@ def runner(engines: list[TransformersEngine], rid: str) -> int | None:
     return next((i for i, e in enumerate(engines) if made(e, rid) > 0), None)
 
 
-async def wait_until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + PATIENCE_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        await asyncio.sleep(0.002)
-
-
 @pytest.fixture
 async def pair(tiny_model: Path) -> AsyncIterator[tuple[EngineGroup, list[TransformersEngine]]]:
     engines = [create_engine("transformers", model=str(tiny_model), dtype="float32") for _ in range(2)]
@@ -61,7 +53,7 @@ async def pair(tiny_model: Path) -> AsyncIterator[tuple[EngineGroup, list[Transf
     await group.close()
 
 
-async def test_abort_goes_to_the_member_that_runs_each_id(pair) -> None:
+async def test_abort_goes_to_the_member_that_runs_each_id(pair, wait_until: Callable[..., Any]) -> None:
     group, engines = pair
     a = asyncio.ensure_future(group.generate(req("a")))
     b = asyncio.ensure_future(group.generate(req("b")))
@@ -84,7 +76,7 @@ async def test_abort_goes_to_the_member_that_runs_each_id(pair) -> None:
     assert group._owners == {}
 
 
-async def test_abort_all_and_pause_abort_fan_out(pair) -> None:
+async def test_abort_all_and_pause_abort_fan_out(pair, wait_until: Callable[..., Any]) -> None:
     group, engines = pair
     tasks = [asyncio.ensure_future(group.generate(req(f"r{i}"))) for i in range(4)]
     await wait_until(lambda: all(runner(engines, f"r{i}") is not None for i in range(4)), "all run")
@@ -104,7 +96,7 @@ async def test_abort_all_and_pause_abort_fan_out(pair) -> None:
     assert out[0].finish_reason == "length"
 
 
-async def test_abort_of_a_request_waiting_in_the_group(tiny_model: Path) -> None:
+async def test_abort_of_a_request_waiting_in_the_group(tiny_model: Path, wait_until: Callable[..., Any]) -> None:
     engine = create_engine("transformers", model=str(tiny_model), dtype="float32")
     group = EngineGroup([engine], max_outstanding_per_engine=1, health_interval_s=None)
     try:
@@ -122,7 +114,7 @@ async def test_abort_of_a_request_waiting_in_the_group(tiny_model: Path) -> None
         await group.close()
 
 
-async def test_pause_keep_push_resume_on_every_member(pair, tiny_model: Path) -> None:
+async def test_pause_keep_push_resume_on_every_member(pair, tiny_model: Path, wait_until: Callable[..., Any]) -> None:
     group, engines = pair
     assert set(group.pause_modes()) == {"wait", "abort", "keep"}
     tasks = [asyncio.ensure_future(group.generate(req(f"k{i}", max_tokens=60))) for i in range(2)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import sys
 import typing
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,30 +28,9 @@ from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import
 pytestmark = [pytest.mark.interop, pytest.mark.transformers, pytest.mark.remote]
 
 
-def _remote_test_servers() -> Any:
-    """The remote plugin's test servers (``plugins/remote/tests/conftest.py``), loaded by path."""
-    import importlib.util
-    import sys
-
-    name = "_roe_remote_test_servers"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[2] / "plugins" / "remote" / "tests" / "conftest.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="module")
-def server(tiny_model: Path) -> Iterator[Any]:
-    import rollout_engines as roe
-
-    engine = roe.create_engine("transformers", model=str(tiny_model))
-    ts = _remote_test_servers().start_thread_server(engine, api_key=None, insecure_no_auth=True,
-                                                    protocols=("skyrl", "openai"))
-    yield ts
-    ts.stop()
+def server(start_server: Callable[..., Any]) -> Any:
+    return start_server(api_key=None, insecure_no_auth=True, protocols=("skyrl", "openai"))
 
 
 @pytest.fixture

@@ -5,28 +5,12 @@ json={"init_info": ...})``...), ``HTTPVLLMWeightSyncClient`` and ``/inference/v1
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-
-
-def _remote_test_servers() -> Any:
-    """The remote plugin's test servers (``plugins/remote/tests/conftest.py``), loaded by path."""
-    import importlib.util
-    import sys
-
-    name = "_roe_remote_test_servers"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[2] / "plugins" / "remote" / "tests" / "conftest.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
 
 pytestmark = [pytest.mark.interop, pytest.mark.transformers, pytest.mark.remote]
 
@@ -34,13 +18,8 @@ PROMPT = [1, 2, 3, 4, 5]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path) -> Iterator[Any]:
-    import rollout_engines as roe
-
-    engine = roe.create_engine("transformers", model=str(tiny_model))
-    ts = _remote_test_servers().start_thread_server(engine, protocols=("vllm-rl", "openai"))
-    yield ts
-    ts.stop()
+def server(start_server: Callable[..., Any]) -> Any:
+    return start_server(protocols=("vllm-rl", "openai"))
 
 
 def post(server: Any, path: str, **kw: Any) -> httpx.Response:

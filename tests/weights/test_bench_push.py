@@ -19,6 +19,9 @@ def test_push_benchmark_times_pushes_that_land(tiny_model):
     phases = result["phases_median_s"]
     assert 0 < phases["worker_total"] <= phases["push"] and {"worker_wait", "worker_apply"} <= set(phases)
     assert result["platform"] == "cpu" and result["fingerprint"] == "greedy tokens"
+    # The same-run baseline: one copy of the state on the trainer's device; ratio relates the two.
+    assert result["device_copy_gbps"] > 0
+    assert result["ratio"] == pytest.approx(result["gbps"] / result["device_copy_gbps"], rel=0.02)
 
 
 @pytest.mark.transformers

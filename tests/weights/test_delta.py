@@ -70,6 +70,14 @@ async def greedy(engine) -> list[list[int]]:
     return [c.token_ids for c in await engine.generate(GREEDY)]
 
 
+async def delta_back_to_base(sync, engine, base, version: int, before: list[list[int]]) -> None:
+    """A delta push of ``base`` (its last complete push was of another state) is small and gives
+    back the base's outputs ``before``."""
+    await sync.push(base, version=version)
+    assert sync.last_push_bytes < 0.1 * sum(nbytes(t) for t in base.values())
+    assert await greedy(engine) == before
+
+
 @contextlib.contextmanager
 def make_engine(transport: str, path: str):
     """The transformers engine where ``transport`` reaches it."""
@@ -136,9 +144,7 @@ def test_delta_push_equals_full_push_and_sends_only_changes(tiny_path, base, tra
             # Versions still only go up, delta or not.
             with pytest.raises(StaleVersion):
                 await sync.push(base, version=v + 5)
-            await sync.push(base, version=v + 6)  # a delta again (the full push above is its base)
-            assert sync.last_push_bytes < 0.1 * full_bytes
-            assert await greedy(engine) == before
+            await delta_back_to_base(sync, engine, base, v + 6, before)  # the full push above is its base
         finally:
             await sync.close()
 
@@ -170,9 +176,7 @@ def test_delta_on_the_wrong_base_is_refused_then_a_full_push_works(tiny_path, ba
             assert sync.last_push_bytes >= full_bytes
             assert engine.weight_version == v + 2
             assert await greedy(engine) != before
-            await sync.push(base, version=v + 3)  # and deltas work again on top of it
-            assert sync.last_push_bytes < 0.1 * full_bytes
-            assert await greedy(engine) == before
+            await delta_back_to_base(sync, engine, base, v + 3, before)  # deltas work again on top of it
         finally:
             await sync.close()
 

@@ -8,6 +8,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -168,51 +169,46 @@ async def test_engine_killed_mid_stream(transport):
         await survivor.close()
 
 
-@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
-async def test_receiver_timeout_then_same_session_recovers(engine, transport):
+async def fails_then_the_same_session_recovers(engine, transport: str, timeout_s: float, fault) -> WeightSyncError:
+    """Push ``state(1)`` calling ``fault()`` before its fourth tensor: the push fails with nothing
+    applied, and the same session's next push lands. Returns the failure."""
     before = await outputs(engine)
-    sync = await connect_weight_sync([engine], transport, bucket_bytes=BUCKET, timeout_s=2.0)
+    sync = await connect_weight_sync([engine], transport, bucket_bytes=BUCKET, timeout_s=timeout_s)
     try:
-        def slow():
+        def items():
             for i, item in enumerate(state(1).items()):
                 if i == 3:
-                    import time
-
-                    time.sleep(3.5)  # longer than the receivers' timeout
+                    fault()
                 yield item
 
         with pytest.raises(WeightSyncError) as info:
-            await sync.push(slow(), version=1, specs=specs_of(list(state(1).items())))
-        engine_error = str(info.value.failures[0][1])
-        assert "peer: trainer (rank 0)" in engine_error and "bucket: " in engine_error, engine_error
+            await sync.push(items(), version=1, specs=specs_of(list(state(1).items())))
         assert await outputs(engine) == before
-        # The same session takes the next push (gloo rebuilds its group).
-        await sync.push(state(1), version=2)
+        await sync.push(state(1), version=2)  # (gloo rebuilds its group)
         assert await outputs(engine) != before
         assert (await engine.info()).weight_version == 2
     finally:
         await sync.close()
+    return info.value
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+async def test_receiver_timeout_then_same_session_recovers(engine, transport):
+    def slow() -> None:
+        time.sleep(3.5)  # longer than the receivers' timeout
+
+    error = await fails_then_the_same_session_recovers(engine, transport, 2.0, slow)
+    engine_error = str(error.failures[0][1])  # type: ignore[attr-defined]
+    assert "peer: trainer (rank 0)" in engine_error and "bucket: " in engine_error, engine_error
 
 
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 async def test_sender_abort_then_same_session_recovers(engine, transport):
-    before = await outputs(engine)
-    sync = await connect_weight_sync([engine], transport, bucket_bytes=BUCKET, timeout_s=30)
-    try:
-        def broken():
-            for i, item in enumerate(state(1).items()):
-                if i == 3:
-                    raise RuntimeError("gathering shard 3 failed")
-                yield item
+    def broken() -> None:
+        raise RuntimeError("gathering shard 3 failed")
 
-        with pytest.raises(WeightSyncError) as info:
-            await sync.push(broken(), version=1, specs=specs_of(list(state(1).items())))
-        assert "gathering shard 3 failed" in str(info.value)
-        assert await outputs(engine) == before
-        await sync.push(state(1), version=2)
-        assert await outputs(engine) != before
-    finally:
-        await sync.close()
+    error = await fails_then_the_same_session_recovers(engine, transport, 30, broken)
+    assert "gathering shard 3 failed" in str(error)
 
 
 async def test_shm_leaves_no_segments(engine):

@@ -32,6 +32,7 @@ import statistics
 import time
 from typing import Any
 
+from ..options import add_option_argument
 from ..types import GenerateRequest, SamplingParams
 
 
@@ -168,7 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-requests", type=int, default=64, help="finished requests per trainer step")
     parser.add_argument("--push-every", type=int, default=1, help="push every N steps in the push run")
     parser.add_argument("--aborts", type=int, default=50)
-    parser.add_argument("--option", action="append", default=[], metavar="K=V", help="engine option (JSON values)")
+    add_option_argument(parser)
 
 
 def _requests(args: argparse.Namespace, vocab: int, tag: str) -> list[GenerateRequest]:
@@ -306,7 +307,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     from ..factory import create_engine
     from ..weights.checkpoint import load_checkpoint, perturbed
     from ..weights.session import connect_weight_sync
-    from .push import parse_options
+    from .common import parse_options
 
     engine = await asyncio.to_thread(create_engine, args.backend, args.model, **parse_options(args))
     try:

@@ -21,8 +21,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..options import add_option_argument
 from ..types import GenerateRequest, SamplingParams
-from .push import parse_options
+from .common import parse_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; the best of each side counts")
     parser.add_argument("--served-backend", default="transformers", help="for --backend remote: what the server runs")
-    parser.add_argument("--option", action="append", default=[], metavar="K=V",
-                        help="engine option (repeatable; values parsed as JSON where they parse)")
+    add_option_argument(parser)
 
 
 class GenerateArgs(BaseModel):

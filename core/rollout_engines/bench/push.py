@@ -11,6 +11,10 @@ else its greedy tokens (exact on tiny models; real-size random models on a GPU a
 token for token, so ``verified`` is then null): after a perturbed push it differs from the start,
 after pushing the originals it is equal again.
 
+``device_copy_gbps`` is measured in the same run, between pushes (the best of those measurements):
+one copy of the state's bytes on the trainer's device, in chunks of at most 1 GiB; ``ratio`` =
+``gbps`` / ``device_copy_gbps`` (1.0: a push as fast as copying the weights once on the device).
+
 ``phases_median_s`` reports what the engine's :meth:`~rollout_engines.engine.EngineProtocol.diagnostics`
 says of each push: the RPC into its workers, worker 0's own timings, the prefix-cache reset.
 """
@@ -19,44 +23,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from typing import Any
 
 from ..types import Diagnostics
+from .common import (
+    Fingerprint,
+    add_push_arguments,
+    arg,
+    memcpy_gbps,
+    model_path,
+    parse_options,
+    push_weights,
+    split_transport_options,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="vllm")
-    parser.add_argument("--model", default=None, help="model directory (default: the tiny test model)")
-    parser.add_argument("--transport", default=None, help="default: cuda_ipc on a GPU, shm on the CPU")
+    add_push_arguments(parser, checksum="pos64")
     parser.add_argument("--pushes", type=int, default=6)
-    parser.add_argument("--bucket-mb", type=float, default=512)
-    parser.add_argument("--checksum", default="pos64", choices=["pos64", "sum64", "none"], help="per-bucket checksum")
-    parser.add_argument("--option", action="append", default=[], metavar="K=V",
-                        help="engine option (JSON values); 'transport.K=V' sets a weight-transport option")
     parser.add_argument("--generate-between", action="store_true",
                         help="generate a small batch after every push (untimed), as an RL loop does, so each "
                         "push also pays the engine's prefix-cache reset")
-
-
-def arg(args: Any, name: str, default: Any) -> Any:
-    """``args.name`` (an argparse namespace) or ``args[name]`` (a dict), ``default`` when unset."""
-    value = args.get(name) if isinstance(args, dict) else getattr(args, name, None)
-    return default if value is None else value
-
-
-def parse_options(args: Any) -> dict[str, Any]:
-    """``--option K=V`` pairs (values parsed as JSON where they parse) plus an ``options`` dict."""
-    out: dict[str, Any] = dict(arg(args, "options", {}))
-    for item in arg(args, "option", []):
-        key, _, value = item.partition("=")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def _phases(diagnostics: Diagnostics, push_s: float) -> dict[str, float]:
@@ -79,59 +68,34 @@ def run(args: Any) -> dict[str, Any]:
 
     from ..factory import create_engine
     from ..types import GenerateRequest, SamplingParams
-    from ..weights.checkpoint import load_checkpoint, perturbed
     from ..weights.session import connect_weight_sync
 
     backend = arg(args, "backend", "vllm")
-    model = arg(args, "model", None)
-    if model is None:
-        from ..testing.tiny_model import tiny_model_path
-
-        model = str(tiny_model_path())
+    model = model_path(args)
     pushes = max(1, int(arg(args, "pushes", 6)))
     between = bool(arg(args, "generate_between", False))
     bucket_bytes = int(float(arg(args, "bucket_mb", 512)) * 2**20)
     checksum = arg(args, "checksum", "pos64")
-    options = parse_options(args)
-    transport_options = {k.removeprefix("transport."): v for k, v in options.items() if k.startswith("transport.")}
-    options = {k: v for k, v in options.items() if not k.startswith("transport.")}
-    engine = create_engine(backend, model=str(model), **options)
+    options, transport_options = split_transport_options(parse_options(args))
+    engine = create_engine(backend, model=model, **options)
     try:
-        facts = asyncio.run(engine.diagnostics())
-        gpu = (facts.platform or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
-        transport = arg(args, "transport", None) or ("cuda_ipc" if gpu else "shm")
-        dtype_name = facts.weights_dtype or (engine.config.dtype if engine.config.dtype != "auto" else None)
-        dtype = None
-        if dtype_name is not None:
-            from ..weights.buckets import torch_dtype
-
-            dtype = torch_dtype(dtype_name.removeprefix("torch."))
-        device = "cuda" if transport in ("cuda_ipc", "nccl") else "cpu"
-        original = {k: v.to(device) for k, v in load_checkpoint(str(model), dtype=dtype).items()}
-        changed = {k: v.to(device) for k, v in perturbed(load_checkpoint(str(model), dtype=dtype)).items()}
-        total_bytes = sum(t.numel() * t.element_size() for t in original.values())
+        weights = asyncio.run(push_weights(engine, model, arg(args, "transport", None)))
+        original, changed, transport = weights.original, weights.changed, weights.transport
         request = GenerateRequest(prompt_token_ids=[[11, 12, 13, 14]], sampling=SamplingParams(temperature=0, max_tokens=8))
-        own_print = False
+        fingerprint = Fingerprint(engine, request)
 
-        async def fingerprint() -> Any:
-            nonlocal own_print
-            weights = (await engine.diagnostics(fingerprint=True)).weights_fingerprint
-            own_print = weights is not None
-            if own_print:
-                return weights
-            return [c.token_ids for c in await engine.generate(request)]
-
-        async def go() -> tuple[list[float], list[dict[str, float]], bool, bool]:
+        async def go() -> tuple[list[float], list[dict[str, float]], bool, bool, list[float]]:
             start_print = await fingerprint()
             sync = await connect_weight_sync([engine], transport, bucket_bytes=bucket_bytes, timeout_s=600,
                                              checksum=checksum, options=transport_options)
             times: list[float] = []
             phases: list[dict[str, float]] = []
+            copies: list[float] = []
             differs = False
             try:
                 for i in range(pushes):
                     tensors = changed if i % 2 == 0 else original
-                    if device == "cuda":
+                    if weights.device == "cuda":
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     await sync.push(tensors, version=engine.weight_version + 1)
@@ -141,21 +105,24 @@ def run(args: Any) -> dict[str, Any]:
                         await engine.generate(request)
                     if i == 0:
                         differs = await fingerprint() != start_print
+                    if i % 2 == 1 or pushes == 1:  # the same-run baseline, between pushes
+                        copies.append(memcpy_gbps(weights.total_bytes, weights.device, repeats=2))
                 await sync.push(original, version=engine.weight_version + 1)
                 same = await fingerprint() == start_print
             finally:
                 await sync.close()
-            return times, phases, differs, same
+            return times, phases, differs, same, copies
 
-        times, phases, differs, same = asyncio.run(go())
+        times, phases, differs, same, copies = asyncio.run(go())
     finally:
         asyncio.run(engine.close())
     later = times[1:] or times
+    total_bytes = weights.total_bytes
     push_s = statistics.median(later)
     return {
         "backend": backend,
-        "model": str(model),
-        "platform": "cuda" if gpu else "cpu",
+        "model": model,
+        "platform": "cuda" if weights.gpu else "cpu",
         "transport": transport,
         "bytes": total_bytes,
         "tensors": len(original),
@@ -166,7 +133,9 @@ def run(args: Any) -> dict[str, Any]:
         "best_push_s": round(min(later), 4),
         "gbps": round(total_bytes / push_s / 1e9, 2),
         "best_gbps": round(total_bytes / min(later) / 1e9, 2),
-        "fingerprint": "weights" if own_print else "greedy tokens",
+        "device_copy_gbps": round(max(copies), 2),
+        "ratio": round(total_bytes / push_s / 1e9 / max(copies), 3),
+        "fingerprint": fingerprint.kind,
         "perturbed_push_changed_weights": differs,
         "original_push_restored_weights": same,
         "checksum": checksum,

@@ -27,21 +27,23 @@ import statistics
 import time
 from typing import Any
 
-from .push import arg, parse_options
+from .common import (
+    Fingerprint,
+    add_push_arguments,
+    arg,
+    model_path,
+    parse_options,
+    push_weights,
+    split_transport_options,
+)
 
 PHASES = ("sleep", "wake_weights", "push", "wake_kv", "first_token", "refit")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="vllm")
-    parser.add_argument("--model", default=None, help="model directory (default: the tiny test model)")
-    parser.add_argument("--transport", default=None, help="default: cuda_ipc on a GPU, shm on the CPU")
+    add_push_arguments(parser, checksum="none")
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--level", type=int, default=2, help="sleep level")
-    parser.add_argument("--bucket-mb", type=float, default=512)
-    parser.add_argument("--checksum", default="none", choices=["pos64", "sum64", "none"], help="per-bucket checksum")
-    parser.add_argument("--option", action="append", default=[], metavar="K=V",
-                        help="engine option (JSON values); 'transport.K=V' sets a weight-transport option")
 
 
 def _p90(values: list[float]) -> float:
@@ -56,23 +58,16 @@ def run(args: Any) -> dict[str, Any]:
     from ..errors import CapabilityError
     from ..factory import create_engine
     from ..types import GenerateRequest, SamplingParams
-    from ..weights.checkpoint import load_checkpoint, perturbed
     from ..weights.session import connect_weight_sync
 
     backend = arg(args, "backend", "vllm")
-    model = arg(args, "model", None)
-    if model is None:
-        from ..testing.tiny_model import tiny_model_path
-
-        model = str(tiny_model_path())
+    model = model_path(args)
     cycles = max(1, int(arg(args, "cycles", 5)))
     level = int(arg(args, "level", 2))
     bucket_bytes = int(float(arg(args, "bucket_mb", 512)) * 2**20)
     checksum = arg(args, "checksum", "none")
-    options = parse_options(args)
-    transport_options = {k.removeprefix("transport."): v for k, v in options.items() if k.startswith("transport.")}
-    options = {k: v for k, v in options.items() if not k.startswith("transport.")}
-    engine = create_engine(backend, model=str(model), **options)
+    options, transport_options = split_transport_options(parse_options(args))
+    engine = create_engine(backend, model=model, **options)
     try:
         caps = engine.capabilities
         if level not in caps.sleep_levels:
@@ -80,32 +75,13 @@ def run(args: Any) -> dict[str, Any]:
             raise CapabilityError(
                 f"backend '{backend}' does not support sleep level {level}; supported levels: {supported}"
             )
-        facts = asyncio.run(engine.diagnostics())
-        gpu = (facts.platform or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
-        transport = arg(args, "transport", None) or ("cuda_ipc" if gpu else "shm")
-        dtype_name = facts.weights_dtype or (engine.config.dtype if engine.config.dtype != "auto" else None)
-        dtype = None
-        if dtype_name is not None:
-            from ..weights.buckets import torch_dtype
-
-            dtype = torch_dtype(dtype_name.removeprefix("torch."))
-        device = "cuda" if transport in ("cuda_ipc", "nccl") else "cpu"
-        original = {k: v.to(device) for k, v in load_checkpoint(str(model), dtype=dtype).items()}
-        changed = {k: v.to(device) for k, v in perturbed(load_checkpoint(str(model), dtype=dtype)).items()}
-        total_bytes = sum(t.numel() * t.element_size() for t in original.values())
+        weights = asyncio.run(push_weights(engine, model, arg(args, "transport", None)))
+        original, changed, transport, gpu = weights.original, weights.changed, weights.transport, weights.gpu
         probe = GenerateRequest(prompt_token_ids=[[11, 12, 13, 14]],
                                 sampling=SamplingParams(temperature=0, max_tokens=8))
         one_token = GenerateRequest(prompt_token_ids=[[11, 12, 13, 14]],
                                     sampling=SamplingParams(temperature=0, max_tokens=1))
-        own_print = False
-
-        async def fingerprint() -> Any:
-            nonlocal own_print
-            weights = (await engine.diagnostics(fingerprint=True)).weights_fingerprint
-            own_print = weights is not None
-            if own_print:
-                return weights
-            return [c.token_ids for c in await engine.generate(probe)]
+        fingerprint = Fingerprint(engine, probe)
 
         def sync_device() -> None:
             if gpu:
@@ -153,21 +129,21 @@ def run(args: Any) -> dict[str, Any]:
     push_s = statistics.median(r["push"] for r in later)
     return {
         "backend": backend,
-        "model": str(model),
+        "model": model,
         "platform": "cuda" if gpu else "cpu",
         "transport": transport,
         "sleep_level": level,
         "cycles": cycles,
-        "bytes": total_bytes,
+        "bytes": weights.total_bytes,
         "tensors": len(original),
         "bucket_bytes": bucket_bytes,
         "checksum": checksum,
         "median_s": {p: round(statistics.median(r[p] for r in later), 6) for p in PHASES},
         "p90_s": {p: round(_p90([r[p] for r in later]), 6) for p in PHASES},
         "first_cycle_s": {p: round(rows[0][p], 6) for p in PHASES},
-        "push_gbps": round(total_bytes / push_s / 1e9, 2),
-        "best_push_gbps": round(total_bytes / min(r["push"] for r in later) / 1e9, 2),
-        "fingerprint": "weights" if own_print else "greedy tokens",
+        "push_gbps": round(weights.total_bytes / push_s / 1e9, 2),
+        "best_push_gbps": round(weights.total_bytes / min(r["push"] for r in later) / 1e9, 2),
+        "fingerprint": fingerprint.kind,
         "pushes_verified": checks,
         "verified": all(checks),
         "options": options,

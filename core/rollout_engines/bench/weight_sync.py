@@ -44,6 +44,7 @@ from ..engine import Capabilities, Engine, EngineProtocol
 from ..types import Completion, EngineConfig, GenerateRequest
 from ..weights.copies import SteadyCopier
 from ..weights.manifest import TensorSpec, TransportSpec, WeightManifest
+from .common import memcpy_gbps
 
 GPU_TRANSPORTS = ("cuda_ipc", "nccl")
 
@@ -158,21 +159,6 @@ class BenchReceiverEngine(Engine):
 
 
 # ---- baselines -----------------------------------------------------------------------------------
-def memcpy_gbps(nbytes: int, device: torch.device, repeats: int = 5) -> float:
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
-
-
 def _raw_receiver(port: int, rank: int, world: int, nbytes: int, rounds: int, threads: int) -> None:
     import torch.distributed as dist
 

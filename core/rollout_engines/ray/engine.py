@@ -27,6 +27,7 @@ from ray.util.placement_group import PlacementGroup
 from ..envs import RAY_NOSET, RayBundle
 from ..errors import EngineUnavailable
 from ..group import EngineGroup
+from ..options import split_engine_kwargs
 from ..proxy import Channel, ProxyEngine, WireError, bounded
 from ..types import EngineConfig, EngineInfo
 from .actor import EngineActor
@@ -130,10 +131,8 @@ def _config_of(backend: str | EngineConfig, model: str | None, kwargs: dict[str,
         return backend
     if model is None:
         raise ValueError("create_ray_engine needs model=PATH (a path every Ray node can read)")
-    fields = set(EngineConfig.model_fields)
-    options = dict(kwargs.pop("options", {}) or {})
-    options.update({k: kwargs.pop(k) for k in list(kwargs) if k not in fields})
-    return EngineConfig(backend=backend, model=str(model), options=options, **kwargs)
+    fields, options = split_engine_kwargs(kwargs)
+    return EngineConfig(backend=backend, model=str(model), options=options, **fields)
 
 
 def launch_engine_actor(

@@ -39,19 +39,22 @@ import os
 import sys
 import tempfile
 import textwrap
-import threading
 from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import pytest
 
+from ..backend_kit import LoopThread
 from ..engine import EngineProtocol
 from ..errors import (
     CapabilityError,
     EngineAsleep,
     EngineClosed,
+    InvalidRequest,
     ManifestMismatch,
+    StaleVersion,
     WeightsInvalidated,
     WeightSyncError,
 )
@@ -74,19 +77,16 @@ class EngineSlot:
     def __init__(self, factory: Callable[[], EngineProtocol | Awaitable[EngineProtocol]]) -> None:
         self._factory = factory
         self._engine: EngineProtocol | None = None
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="roe-conformance", daemon=True)
-        self._thread.start()
+        self._loop_thread = LoopThread("roe-conformance")
+        self.loop = self._loop_thread.loop
 
     def run(self, coro: Coroutine[Any, Any, T] | Awaitable[T], timeout: float = CALL_TIMEOUT_S) -> T:
-        async def wrap() -> T:
-            return await coro
+        """Run ``coro`` on the slot's loop; past ``timeout`` seconds it is cancelled (TimeoutError)."""
+        return self._loop_thread.run(coro, timeout)
 
-        return asyncio.run_coroutine_threadsafe(wrap(), self.loop).result(timeout)
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Any:
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Start ``coro`` on the loop without waiting; returns a concurrent future."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return self._loop_thread.submit(coro)
 
     @property
     def engine(self) -> EngineProtocol:
@@ -115,9 +115,7 @@ class EngineSlot:
         try:
             self.discard()
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=30)
-            self.loop.close()
+            self._loop_thread.close()
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -542,6 +540,194 @@ class WeightUpdateTests(ConformanceBase):
         assert slot.run(engine.info()).paused is False
 
 
+# ---- LoRA adapters ----------------------------------------------------------------------------
+#: Module names the suite's adapters target, where the model has them (else the first two
+#: projection-like linear layers it finds inside its decoder layers).
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def lora_targets(weights: dict[str, Any]) -> list[str]:
+    """Module names (last components) an adapter of this model can target."""
+    found = sorted({n[: -len(".weight")].rsplit(".", 1)[-1] for n, t in weights.items()
+                    if n.endswith(".weight") and t.dim() == 2 and ".layers." in n})
+    preferred = [m for m in LORA_TARGETS if m in found]
+    return preferred or [m for m in found if m.endswith("proj")][:2] or found[:2]
+
+
+def make_lora(weights: dict[str, Any], name: str, *, rank: int = 8, seed: int = 0,
+              targets: list[str] | None = None) -> tuple[Any, dict[str, Any]]:
+    """A LoRA adapter for the model whose checkpoint is ``weights``: deterministic random ``A``
+    and ``B`` (``B`` non-zero, unlike a fresh PEFT adapter, so it changes outputs), PEFT names, in
+    the checkpoint's dtype. Returns ``(LoraSpec, tensors)``."""
+    import torch
+
+    from ..types import LoraSpec
+    from ..weights.lora import lora_expected_specs
+    from ..weights.manifest import TensorSpec
+
+    spec = LoraSpec(name=name, rank=rank, alpha=2.0 * rank, target_modules=targets or lora_targets(weights))
+    base = {n: TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
+            for n, t in weights.items() if t.dim() == 2}
+    dtype = next(t.dtype for t in weights.values() if t.is_floating_point())
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {n: torch.randn(*e.shape, generator=gen).to(dtype) for n, e in
+               lora_expected_specs(base, spec, "float32").items()}
+    return spec, tensors
+
+
+class LoraTests(ConformanceBase):
+    """Adapters pushed with ``WeightSync.push_lora`` (capability ``lora``)."""
+
+    def push_lora(self, slot: EngineSlot, spec: Any, tensors: dict[str, Any], version: int, **kw: Any) -> int:
+        from ..weights.session import connect_weight_sync
+
+        engine = slot.engine
+
+        async def go() -> int:
+            sync = await connect_weight_sync([engine], pick_transport(engine), timeout_s=120)
+            try:
+                return await sync.push_lora(spec, tensors, version=version, **kw)
+            finally:
+                await sync.close()
+
+        return slot.run(go())
+
+    def generate(self, slot: EngineSlot, prompt_ids: list[list[int]], lora: str | None = None, **kw: Any) -> list[Completion]:
+        return slot.run(slot.engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(8, **kw), lora=lora)))
+
+    @pytest.fixture
+    def lora_engine(self, slot: EngineSlot, engine: EngineProtocol) -> Any:
+        """The engine, for a test that loads adapters: skipped without capability ``lora``; every
+        adapter still loaded afterwards is unloaded."""
+        need(engine, "lora")
+        pick_transport(engine)
+        yield engine
+        for name in list(slot.run(engine.info()).loras):
+            slot.run(engine.unload_lora(name))
+
+    def test_adapter_changes_outputs_and_unloading_restores_the_base(self, slot: EngineSlot, lora_engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any]) -> None:
+        engine = lora_engine
+        logprobs = engine.capabilities.logprobs
+        base = self.generate(slot, prompt_ids, logprobs=0 if logprobs else None)
+        assert tokens_of(base) == reference and all(c.lora is None and c.lora_version is None for c in base)
+        v0 = engine.weight_version
+        spec, tensors = make_lora(original_weights, "conf-a")
+        assert self.push_lora(slot, spec, tensors, 1) == 1
+        assert engine.weight_version == v0, "a LoRA push leaves the base weights' version alone"
+        assert slot.run(engine.info()).loras == {"conf-a": 1}
+        adapted = self.generate(slot, prompt_ids, lora="conf-a")
+        assert tokens_of(adapted) != reference, "an adapter with non-zero B must change greedy outputs"
+        assert all(c.lora == "conf-a" and c.lora_version == 1 and c.weight_version == v0 for c in adapted)
+        assert tokens_of(self.generate(slot, prompt_ids)) == reference, "requests without lora use the base model"
+        assert slot.run(engine.unload_lora("conf-a")) is True
+        assert slot.run(engine.unload_lora("conf-a")) is False
+        assert slot.run(engine.info()).loras == {}
+        again = self.generate(slot, prompt_ids, logprobs=0 if logprobs else None)
+        assert tokens_of(again) == reference
+        if logprobs:
+            assert [c.logprobs for c in again] == [c.logprobs for c in base], "unloading must restore the base exactly"
+        with pytest.raises(InvalidRequest):
+            self.generate(slot, prompt_ids, lora="conf-a")
+
+    def test_two_adapters_coexist_and_mix_in_one_batch(self, slot: EngineSlot, lora_engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any]) -> None:
+        engine = lora_engine
+        if engine.capabilities.max_loras < 2:
+            pytest.skip(f"backend '{engine.backend_name}' loads fewer than 2 adapters at once (max_loras)")
+        for version, (name, seed) in enumerate((("conf-a", 1), ("conf-b", 2)), start=1):
+            spec, tensors = make_lora(original_weights, name, seed=seed)
+            self.push_lora(slot, spec, tensors, version)
+        assert slot.run(engine.info()).loras == {"conf-a": 1, "conf-b": 2}
+        alone = {name: tokens_of(self.generate(slot, prompt_ids, lora=name)) for name in ("conf-a", "conf-b")}
+        assert alone["conf-a"] != alone["conf-b"] and reference not in alone.values()
+
+        async def together() -> list[list[Completion]]:
+            names = ["conf-a", None, "conf-b", "conf-a", None]
+            return list(await asyncio.gather(*(engine.generate(GenerateRequest(
+                prompt_token_ids=prompt_ids, sampling=greedy(8), lora=n)) for n in names)))
+
+        a1, b1, b, a2, b2 = slot.run(together())
+        assert tokens_of(a1) == tokens_of(a2) == alone["conf-a"]
+        assert tokens_of(b) == alone["conf-b"] and all(c.lora == "conf-b" and c.lora_version == 2 for c in b)
+        assert tokens_of(b1) == tokens_of(b2) == reference and all(c.lora is None for c in b1)
+        assert slot.run(engine.unload_lora("conf-a")) is True
+        assert tokens_of(self.generate(slot, prompt_ids, lora="conf-b")) == alone["conf-b"]
+        assert tokens_of(self.generate(slot, prompt_ids)) == reference
+
+    @pytest.mark.parametrize("fault", ["unknown_module", "wrong_shape", "missing_tensor", "extra_tensor", "rank_too_high"])
+    def test_bad_adapter_is_refused_and_changes_nothing(self, slot: EngineSlot, lora_engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any], fault: str) -> None:
+        from ..types import MAX_LORA_RANK
+
+        engine = lora_engine
+        spec, tensors = make_lora(original_weights, "conf-a", seed=1)
+        self.push_lora(slot, spec, tensors, 1)
+        adapted = tokens_of(self.generate(slot, prompt_ids, lora="conf-a"))
+        for name, version in (("conf-a", 2), ("conf-bad", 1)):  # a replacement and a new adapter
+            if fault == "rank_too_high":
+                if engine.capabilities.lora >= MAX_LORA_RANK:
+                    pytest.skip("the engine serves every rank a LoraSpec allows")
+                bad_spec, bad = make_lora(original_weights, name, rank=engine.capabilities.lora + 1, seed=3)
+            else:
+                bad_spec, bad = make_lora(original_weights, name, seed=3)
+                first = sorted(bad)[0]
+                if fault == "unknown_module":
+                    bad_spec = bad_spec.model_copy(update={"target_modules": [*bad_spec.target_modules, "not_a_layer"]})
+                elif fault == "wrong_shape":
+                    bad[first] = bad[first][:, :-1].contiguous()
+                elif fault == "missing_tensor":
+                    del bad[first]
+                else:
+                    bad[first.replace(".lora_A.", ".lora_C.")] = bad[first].clone()
+            with pytest.raises(WeightSyncError) as info:
+                self.push_lora(slot, bad_spec, bad, version)
+            assert _has_mismatch(info.value), f"expected a ManifestMismatch, got {info.value!r}"
+            assert slot.run(engine.info()).loras == {"conf-a": 1}
+            outs = self.generate(slot, prompt_ids, lora="conf-a")
+            assert tokens_of(outs) == adapted and all(c.lora_version == 1 for c in outs)
+            assert tokens_of(self.generate(slot, prompt_ids)) == reference
+        # The session still works: the next, valid push is taken.
+        spec2, tensors2 = make_lora(original_weights, "conf-a", seed=4)
+        assert self.push_lora(slot, spec2, tensors2, 2) == 2
+
+    def test_new_version_replaces_the_adapter(self, slot: EngineSlot, lora_engine: EngineProtocol, prompt_ids: list[list[int]], original_weights: dict[str, Any]) -> None:
+        engine = lora_engine
+        spec, v1 = make_lora(original_weights, "conf-a", seed=1)
+        _, v2 = make_lora(original_weights, "conf-a", seed=2)
+        self.push_lora(slot, spec, v1, 5)
+        first = self.generate(slot, prompt_ids, lora="conf-a")
+        self.push_lora(slot, spec, v2, 6)
+        second = self.generate(slot, prompt_ids, lora="conf-a")
+        assert tokens_of(second) != tokens_of(first) and all(c.lora_version == 6 for c in second)
+        assert slot.run(engine.info()).loras == {"conf-a": 6}
+        with pytest.raises(WeightSyncError) as info:
+            self.push_lora(slot, spec, v1, 5)
+        assert isinstance(info.value, StaleVersion), f"versions of an adapter must increase, got {info.value!r}"
+        self.push_lora(slot, spec, v1, 5, allow_rollback=True)
+        back = self.generate(slot, prompt_ids, lora="conf-a")
+        assert tokens_of(back) == tokens_of(first) and all(c.lora_version == 5 for c in back)
+
+    def test_base_push_keeps_adapters(self, slot: EngineSlot, lora_engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any]) -> None:
+        from ..weights.checkpoint import perturbed
+
+        engine = lora_engine
+        spec, tensors = make_lora(original_weights, "conf-a", seed=1)
+        self.push_lora(slot, spec, tensors, 1)
+        adapted = tokens_of(self.generate(slot, prompt_ids, lora="conf-a"))
+        v0 = engine.weight_version
+        self.push(slot, perturbed(original_weights), v0 + 1)
+        assert slot.run(engine.info()).loras == {"conf-a": 1}
+        outs = self.generate(slot, prompt_ids, lora="conf-a")
+        assert all(c.weight_version == v0 + 1 and c.lora_version == 1 for c in outs)
+        self.push(slot, original_weights, v0 + 2)
+        assert tokens_of(self.generate(slot, prompt_ids, lora="conf-a")) == adapted
+        assert tokens_of(self.generate(slot, prompt_ids)) == reference
+
+    def test_unknown_adapter_is_an_invalid_request(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
+        expected: type[Exception] = InvalidRequest if engine.capabilities.lora else CapabilityError
+        with pytest.raises(expected):
+            self.generate(slot, prompt_ids, lora="never-loaded")
+        assert slot.run(engine.unload_lora("never-loaded")) is False
+
+
 # ---- lifecycle --------------------------------------------------------------------------------
 class LifecycleTests(ConformanceBase):
     def test_close_is_idempotent_and_final(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
@@ -721,7 +907,7 @@ class AsyncRLTests(ConformanceBase):
         self.push(slot, original_weights, v0 + 2)
 
 
-class BackendConformance(GenerationTests, SleepTests, WeightUpdateTests, AsyncRLTests, LifecycleTests):
+class BackendConformance(GenerationTests, SleepTests, WeightUpdateTests, LoraTests, AsyncRLTests, LifecycleTests):
     """Every standard test. Subclass it once per backend and provide ``engine_config``."""
 
 
@@ -782,6 +968,6 @@ def run_conformance(
 
 
 __all__ = [
-    "AsyncRLTests", "BackendConformance", "ConformanceBase", "EngineSlot", "GenerationTests", "LifecycleTests", "SleepTests",
-    "WeightUpdateTests", "need", "pick_transport", "run_conformance",
+    "AsyncRLTests", "BackendConformance", "ConformanceBase", "EngineSlot", "GenerationTests", "LifecycleTests",
+    "LoraTests", "SleepTests", "WeightUpdateTests", "make_lora", "need", "pick_transport", "run_conformance",
 ]

@@ -7,16 +7,19 @@ tests a rollout-engines backend, ours or a third party's.
   ``gpu`` tests skip without CUDA; ``ray`` tests skip without Ray.
 - ``--backend NAME`` (repeatable) keeps only tests of those backends (unmarked tests still run).
 - Fixtures: ``tiny_model`` (path of the locally built tiny model).
+- Nothing process-wide is installed (no signal handler) unless a collected test is marked with a
+  backend whose ``BackendSpec.main_thread_setup`` asks for it; that runs once, on the main thread.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 import pytest
 
-from ..plugins import FIRST_PARTY, get_registry
+from ..plugins import FIRST_PARTY, BackendRecord, get_registry
 
 STATIC_MARKERS = {
     "transformers": "needs the embedded transformers backend",
@@ -44,11 +47,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Engines created on a harness's loop thread (the conformance suite's) can only be guarded
-    # against a failing worker's SIGQUIT if the handler is installed here, on the main thread.
-    from ..envs import install_child_failure_guard
-
-    install_child_failure_guard()
     for name, text in STATIC_MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     for name in _backend_names():
@@ -70,6 +68,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     wanted = set(config.getoption("--backend") or [])
     deselected = []
     keep = []
+    tested: set[str] = set()
     cuda: bool | None = None
     for item in items:
         marks = {m.name for m in item.iter_markers()}
@@ -84,6 +83,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 reason = record.error or f"backend '{name}' is not installed: {record.install_hint}"
                 item.add_marker(pytest.mark.skip(reason=reason))
                 break
+        else:
+            tested |= backends
         if "gpu" in marks:
             if cuda is None:
                 cuda = _cuda_available()
@@ -94,6 +95,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = keep
+    _main_thread_setup(records, tested)
+
+
+def _main_thread_setup(records: dict[str, BackendRecord], tested: set[str]) -> None:
+    """Run the ``main_thread_setup`` of each installed backend that a collected test is marked with
+    (here, on the main thread: a harness may create engines on a loop thread, where a signal handler
+    cannot be installed). A backend that asks for nothing gets nothing installed in this process."""
+    for name in sorted(tested):
+        spec = records[name].spec
+        if spec is None or spec.main_thread_setup is None:
+            continue
+        try:
+            spec.load_main_thread_setup()()
+        except Exception as exc:  # one backend's setup must not stop the others' tests
+            warnings.warn(f"main_thread_setup of backend '{name}' ({spec.main_thread_setup}) failed: {exc!r}",
+                          stacklevel=1)
 
 
 @pytest.fixture(scope="session")

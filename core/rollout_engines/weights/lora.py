@@ -8,17 +8,29 @@ of the base model whose name ends in one of ``target_modules``. Backends check a
 with :func:`lora_expected_specs` (built from the base model's expected specs, HF names), so an
 adapter that names a module the model lacks, or whose shapes do not fit, is refused before anything
 is received.
+
+On the engine's side, :func:`receive_lora` takes one LoRA push through a worker's existing
+:class:`~rollout_engines.weights.receiver.WeightReceiver` (any transport) and returns the adapter's
+tensors; the backend installs them (one dict entry swapped between two steps, say). The receiver's
+base version and delta record are untouched, so delta pushes of the base keep working.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import ManifestMismatch
 from ..types import LoraSpec
-from .manifest import ExpectedSpec, TensorSpec
+from .manifest import ExpectedSpec, TensorSpec, WeightManifest, validate_manifest
+
+if TYPE_CHECKING:
+    from .receiver import WeightReceiver
 
 PEFT_PREFIX = "base_model.model."
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -69,3 +81,114 @@ def module_of(name: str) -> tuple[str, str]:
     if which not in ("lora_A", "lora_B"):
         raise ManifestMismatch(f"'{name}' is neither a lora_A nor a lora_B tensor")
     return module, which[-1]
+
+
+class LoraTarget:
+    """A :class:`~rollout_engines.weights.receiver.WeightTarget` that keeps an adapter's tensors in
+    :attr:`tensors` (owned copies), for :meth:`WeightReceiver.receive_side`; the model is not touched."""
+
+    def __init__(self, expected: Mapping[str, ExpectedSpec]) -> None:
+        self._expected = expected
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def expected_specs(self) -> Mapping[str, ExpectedSpec]:
+        return self._expected
+
+    def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
+        for name, tensor in named:
+            self.tensors[name] = tensor if owned else tensor.clone()
+
+
+def lora_problem(manifest: WeightManifest, base: Mapping[str, TensorSpec]) -> tuple[dict[str, ExpectedSpec], ManifestMismatch | None]:
+    """What a LoRA push must carry, and why ``manifest`` does not (None: it fits the base model).
+
+    Strict: every ``lora_A``/``lora_B`` tensor of every targeted module, nothing else, exact shapes
+    (``[rank, in]``, ``[out, rank]``), one float dtype for all."""
+    spec = manifest.lora
+    if spec is None:
+        raise ValueError("not a LoRA push: manifest.lora is None")
+    try:
+        if manifest.delta is not None or manifest.partial:
+            raise ManifestMismatch("a LoRA push is always whole (no delta, not partial)")
+        dtypes = sorted({t.dtype for t in manifest.tensors})
+        if len(dtypes) > 1:
+            raise ManifestMismatch(f"its tensors mix dtypes {dtypes}; send every lora_A/lora_B tensor in one dtype")
+        expected = lora_expected_specs(base, spec, dtypes[0] if dtypes else "float32")
+        validate_manifest(manifest, expected, partial_ok=False)
+    except ManifestMismatch as exc:
+        return {}, ManifestMismatch(
+            f"LoRA adapter '{spec.name}' v{manifest.version} (rank {spec.rank}, targets {spec.target_modules}) "
+            f"refused, nothing installed: {exc}"
+        )
+    return expected, None
+
+
+def receive_lora(receiver: WeightReceiver, manifest: WeightManifest, base: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
+    """Receive the LoRA push ``manifest`` through ``receiver``'s session; returns its tensors by
+    PEFT name (owned; on the receiver's device, in the adapter's dtype).
+
+    ``base``: name -> spec of the base model's weights the adapter may target (HF names; a backend
+    passes only the layers it can adapt, e.g. its linear layers). The push is checked against it
+    before anything is received (:func:`lora_problem`); a refused one raises
+    :class:`ManifestMismatch` after the stream was drained, so the session stays in step. The
+    receiver's base version and delta record do not change. Call it where ``receiver.receive`` is
+    called for full pushes (a worker thread); each worker of a tensor-parallel engine gets the
+    whole adapter."""
+    expected, rejection = lora_problem(manifest, base)
+    target = LoraTarget(expected)
+    receiver.receive_side(manifest, target, rejection=rejection)
+    return target.tensors
+
+
+def split_adapter(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT-named tensors -> module name -> ``(A, B)`` (``A``: ``[rank, in]``, ``B``: ``[out, rank]``)."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        module, which = module_of(name)
+        halves.setdefault(module, {})[which] = tensor
+    missing = [m for m, h in halves.items() if set(h) != {"A", "B"}]
+    if missing:
+        raise ManifestMismatch(f"modules {missing} lack a lora_A or a lora_B tensor")
+    return {m: (h["A"], h["B"]) for m, h in halves.items()}
+
+
+def load_peft_adapter(path: str | Path, name: str) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """A LoRA adapter saved by PEFT (``save_pretrained``: ``adapter_config.json`` and
+    ``adapter_model.safetensors``), as ``push_lora`` takes it: ``(LoraSpec named name, tensors)``.
+
+    Plain LoRA only: DoRA, per-module ranks or alphas (``rank_pattern``/``alpha_pattern``),
+    ``modules_to_save``, ``fan_in_fan_out`` layers and ``target_modules`` given as a regular
+    expression are refused (``ValueError``). rsLoRA's ``alpha / sqrt(r)`` scaling is kept by
+    rescaling ``alpha``. Tensors are read with safetensors (no pickle)."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    try:
+        config: dict[str, Any] = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{folder} is not a PEFT adapter folder (adapter_config.json: {exc})") from None
+    unsupported = [key for key in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "fan_in_fan_out")
+                   if config.get(key)]
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        unsupported.append(f"peft_type={config.get('peft_type')}")
+    targets = config.get("target_modules")
+    if not isinstance(targets, list) or not targets:
+        unsupported.append("target_modules as a regular expression (list the module names)")
+        targets = []
+    if unsupported:
+        raise ValueError(f"the PEFT adapter in {folder} uses what LoRA pushes do not carry: {', '.join(unsupported)}")
+    rank = int(config["r"])
+    alpha = float(config.get("lora_alpha", rank))
+    if config.get("use_rslora"):
+        alpha *= math.sqrt(rank)  # PEFT scales by alpha / sqrt(r); LoraSpec.scaling is alpha / r
+    spec = LoraSpec(name=name, rank=rank, alpha=alpha, target_modules=sorted(str(t) for t in targets))
+    file = folder / "adapter_model.safetensors"
+    if not file.is_file():
+        raise ValueError(f"{folder} has no adapter_model.safetensors (save with safe_serialization=True)")
+    return spec, load_file(str(file))
+
+
+__all__ = [
+    "PEFT_PREFIX", "LoraTarget", "load_peft_adapter", "lora_expected_specs", "lora_problem", "module_of",
+    "receive_lora", "split_adapter", "target_weights",
+]

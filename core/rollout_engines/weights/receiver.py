@@ -96,25 +96,48 @@ class WeightReceiver:
 
     def receive(self, manifest: WeightManifest) -> int:
         """Receive one update. Raises WeightSyncError (ManifestMismatch, WeightsInvalidated, ...)."""
+        self._receive_into(manifest, self.target, self.mode, model=True)
+        self.version = manifest.version
+        self.delta_base = next_base(manifest, self.delta_base)
+        return self.version
+
+    def receive_side(
+        self, manifest: WeightManifest, target: WeightTarget, *, rejection: ManifestMismatch | None = None,
+    ) -> None:
+        """Receive one update into ``target``, which is not the model (a LoRA adapter, see
+        :func:`rollout_engines.weights.lora.receive_lora`), through this receiver's session.
+
+        The same validation (against ``target.expected_specs()``), checksums and draining as
+        :meth:`receive`; buckets are handed to ``target`` as they arrive (it keeps what it needs).
+        The receiver's ``version`` and delta base stay as they were, and a failure never marks
+        the model's weights invalid. ``rejection``: refuse the update with this error (the stream
+        is still drained, so the session stays in step)."""
+        self._receive_into(manifest, target, "inplace", model=False, rejection=rejection)
+
+    def _receive_into(
+        self, manifest: WeightManifest, target: WeightTarget, mode: ApplyMode, *, model: bool,
+        rejection: ManifestMismatch | None = None,
+    ) -> None:
         if self.transport is None:
             raise WeightSyncError(f"{self.label}: no weight transfer initialised; call connect() first")
         transport = self.transport
         transport.raise_if_cancelled()
-        rejection: ManifestMismatch | None = None
         clock = time.perf_counter
         start = clock()
         spent = dict.fromkeys(("validate", "wait", "check", "apply"), 0.0)
-        expected = self.target.expected_specs()
+        expected = target.expected_specs()
         is_delta = manifest.delta is not None and manifest.delta.base_version is not None
-        cached = self._validated
-        if cached is None or cached[0] is not manifest.tensors or cached[1] is not expected or cached[2] != is_delta:
+        cached = self._validated if model else None
+        if rejection is None and (
+            cached is None or cached[0] is not manifest.tensors or cached[1] is not expected or cached[2] != is_delta
+        ):
             try:
                 validate_manifest(manifest, expected)
-                # A manifest copied from this one (same layout, next version) shares its lists.
-                self._validated = (manifest.tensors, expected, is_delta)
+                if model:  # a manifest copied from this one (same layout, next version) shares its lists
+                    self._validated = (manifest.tensors, expected, is_delta)
             except ManifestMismatch as exc:
                 rejection = exc
-        current = current_reader(self.target, self._home_target)
+        current = current_reader(target, self._home_target) if model else None
         if rejection is None and is_delta:
             try:
                 check_base(manifest, self.delta_base, current, self.label)
@@ -142,21 +165,21 @@ class WeightReceiver:
                     placements = manifest.bucket_tensors(bucket.index)
                     if isinstance(buf, list):  # shared without packing: views of the sender's tensors
                         views = [(p.name, t) for p, t in zip(placements, buf, strict=True)]
-                        if self.mode == "staged" and not owned:
+                        if mode == "staged" and not owned:
                             views, owned = [(n, t.clone()) for n, t in views], True
                     else:
-                        if self.mode == "staged" and not owned:
+                        if mode == "staged" and not owned:
                             buf, owned = buf.clone(), True
                         views = list(bucket_views(buf, placements))
                     rebuilt: list[tuple[str, torch.Tensor]] = []
                     if sparse is not None:  # a delta's pieces: whole tensors again (base + changes)
                         views, rebuilt = sparse.feed(views, owned=owned)
-                    if self.mode == "inplace":
+                    if mode == "inplace":
                         applied_any = True
                         if views:
-                            self.target.apply(views, owned=owned)
+                            target.apply(views, owned=owned)
                         if rebuilt:
-                            self.target.apply(rebuilt, owned=True)
+                            target.apply(rebuilt, owned=True)
                     else:
                         staged.extend(views)
                         staged.extend(rebuilt)
@@ -167,14 +190,14 @@ class WeightReceiver:
                 raise rejection
             if sparse is not None:
                 sparse.finish()
-            if self.mode == "staged":
+            if mode == "staged":
                 applied_any = True
                 t0 = clock()
-                self.target.apply(staged, owned=True)
+                target.apply(staged, owned=True)
                 spent["apply"] += clock() - t0
             ok = True
         except WeightSyncError as exc:
-            if applied_any:
+            if applied_any and model:
                 self.delta_base = None
                 raise WeightsInvalidated(
                     f"{self.label}: update v{manifest.version} failed after some weights were applied "
@@ -182,17 +205,15 @@ class WeightReceiver:
                 ) from exc
             raise
         except Exception as exc:
-            err_cls = WeightsInvalidated if applied_any else WeightSyncError
-            if applied_any:
+            invalid = applied_any and model
+            err_cls = WeightsInvalidated if invalid else WeightSyncError
+            if invalid:
                 self.delta_base = None
             raise err_cls(f"{self.label}: update v{manifest.version} failed: {exc!r}") from exc
         finally:
             transport.end(manifest, ok)
-        self.version = manifest.version
-        self.delta_base = next_base(manifest, self.delta_base)
         spent["total"] = clock() - start
         self.last_timings = {k: round(v, 6) for k, v in spent.items()}
-        return self.version
 
     def _check_header(
         self, manifest: WeightManifest, header: BucketHeader, buf: torch.Tensor | list[torch.Tensor]

@@ -25,6 +25,7 @@ from ..errors import (
     EngineClosed,
     ManifestMismatch,
     StaleVersion,
+    UpdateRefused,
     WeightSyncError,
 )
 from ..types import LoraSpec
@@ -260,6 +261,9 @@ class WeightSync:
         a shape that does not fit the rank, a rank above the engine's) with nothing installed."""
         if self._closed:
             raise WeightSyncError("this weight sync session is closed; connect a new one")
+        unable = [e.backend_name for e in self.engines if not e.capabilities.lora]
+        if unable:  # before anything is sent: the session stays usable for full pushes
+            raise CapabilityError(f"engine(s) {unable} of this session cannot load LoRA adapters (capability 'lora')")
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         manifest = plan_manifest(
             specs_of(items), version=version, bucket_bytes=self.bucket_bytes, transport=self.transport,
@@ -398,7 +402,7 @@ class WeightSync:
 _WHOLE_ONLY = frozenset({"cuda_ipc"})
 
 #: Errors an engine raises before it reads any of an update (nothing will drain the stream).
-_REFUSALS = (StaleVersion, CapabilityError, EngineAsleep, EngineClosed)
+_REFUSALS = (StaleVersion, UpdateRefused, CapabilityError, EngineAsleep, EngineClosed)
 
 
 async def _gather_cancelling(

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout_engines import errors as core_errors
 from rollout_engines.errors import RolloutEnginesError
 from rollout_engines.proxy import FarEngineError, WireError
-from rollout_engines.types import MAX_REQUEST_ID_CHARS, MAX_SEQUENCES, PauseMode
+from rollout_engines.types import LORA_NAME_PATTERN, MAX_REQUEST_ID_CHARS, MAX_SEQUENCES, PauseMode
 
 #: Environment variable holding the API key (server and client), instead of a command-line flag.
 API_KEY_ENV = "ROLLOUT_ENGINES_API_KEY"
@@ -89,6 +89,18 @@ class PauseBody(_Body):
     ``keep`` freezes them until ``/resume``; the engine's ``pause_modes`` capability says which it serves."""
 
     mode: PauseMode = "wait"
+
+
+class LoraUnloadBody(_Body):
+    """``POST /lora/unload``: forget the LoRA adapter ``name`` (pushed with ``WeightSync.push_lora``)."""
+
+    name: str = Field(pattern=LORA_NAME_PATTERN)
+
+
+class LoraUnloadedBody(BaseModel):
+    ok: bool = True
+    #: Whether the adapter was loaded (an unknown name is not an error).
+    unloaded: bool
 
 
 class OkBody(BaseModel):

@@ -4,7 +4,6 @@ shutdown of a served engine with requests in flight."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import httpx
@@ -13,15 +12,16 @@ import rollout_engines as roe
 from rollout_engines_remote.launch import ServerProcess, free_port
 from rollout_engines_remote.protocol import RemoteAuthError, RemoteRequestInvalid
 
+from .app_thread import AppThread
+
 pytestmark = pytest.mark.remote
 
 
-class FakeFlakyServer:
+class FakeFlakyServer(AppThread):
     """A fake, because a real server cannot be made to answer 503 on demand: it fails the first
     ``failures`` calls of each path with 503 and counts every call it gets."""
 
     def __init__(self, failures: int) -> None:
-        import uvicorn
         from fastapi import FastAPI
         from fastapi.responses import JSONResponse
 
@@ -39,17 +39,7 @@ class FakeFlakyServer:
         app.get("/info")(lambda: flaky("/info", info))
         app.get("/health")(lambda: flaky("/health", {"status": "ok"}))
         app.post("/generate")(lambda: flaky("/generate", []))
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
+        super().__init__(app)
 
 
 async def test_idempotent_calls_retry_generate_never_does():

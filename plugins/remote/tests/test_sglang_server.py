@@ -10,8 +10,6 @@ every weight update it loads, so a push that arrives changes the outputs.
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +17,18 @@ import pytest
 import rollout_engines as roe
 from fastapi import Request  # module level: FastAPI resolves the handlers' annotations here
 
+from .app_thread import AppThread
+
 pytestmark = pytest.mark.remote
 
 pytest.importorskip("rollout_engines_sglang", reason="the sglang adapter reuses rollout-engines-sglang")
 
 
-class FakeSglangServer:
+class FakeSglangServer(AppThread):
     """SGLang's HTTP API shape on a real uvicorn server (see the module docstring)."""
 
     def __init__(self, model_path: str, *, vocab: int = 4096, tp_size: int = 1) -> None:
-        import uvicorn
         from fastapi import FastAPI
-        from rollout_engines_remote.launch import free_port
 
         self.model_path, self.vocab, self.tp_size = model_path, vocab, tp_size
         self.calls: list[tuple[str, Any]] = []
@@ -124,20 +122,10 @@ class FakeSglangServer:
             await record(request)
             return {"success": True, "message": ""}
 
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
+        super().__init__(app)
 
     def paths(self) -> list[str]:
         return [p for p, _ in self.calls]
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture
@@ -177,7 +165,9 @@ async def test_generate_translates_requests_and_outputs(engine, fake):
     assert body["input_ids"] == [[5, 6, 7], [5, 6, 7], [100], [100]]
     sp = body["sampling_params"][0]
     assert sp["max_new_tokens"] == 4 and sp["n"] == 1 and sp["top_k"] == 20 and sp["min_p"] == 0.05
-    assert sp["stop"] == ["\n\n"] and sp["stop_token_ids"] == [2] and sp["ignore_eos"] is True
+    assert sp["stop"] == ["\n\n"] and sp["ignore_eos"] is True
+    # With ignore_eos SGLang skips its stop-token check, so the plugin cuts at stop_token_ids itself.
+    assert "stop_token_ids" not in sp
     assert body["return_logprob"] is True and body["logprob_start_len"] == -1
     assert [(c.prompt_index, c.sample_index) for c in outs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert outs[0].token_ids == [18, 19, 20, 21] and outs[0].prompt_token_ids == [5, 6, 7]
@@ -252,5 +242,5 @@ async def test_server_errors_become_typed_errors(engine, fake):
     with pytest.raises(RemoteRequestInvalid, match="The input is too long") as info:
         await engine.generate(roe.GenerateRequest(prompt_token_ids=[[4095, 4095]]))
     assert info.value.status == 400
-    with pytest.raises(roe.InvalidRequest, match="outside the vocabulary"):  # refused before SGLang
+    with pytest.raises(roe.InvalidRequest, match="outside the model's vocabulary"):  # refused before SGLang
         await engine.generate(roe.GenerateRequest(prompt_token_ids=[[10**6]]))

@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+from rollout_engines.backend_kit import validate_prompts
 from rollout_engines.engine import Capabilities, Engine
 from rollout_engines.errors import (
     BackendNotInstalled,
@@ -174,9 +175,10 @@ class SglangEngine(Engine):
         missing = _sglang_missing()
         if missing:
             raise BackendNotInstalled("sglang", INSTALL_HINT, cause=missing)
-        from rollout_engines.envs import guard_child_failure_signal, launch_env, setup_device_env
+        from rollout_engines.envs import launch_env, setup_device_env
 
         from .runtime import InProcessRuntime
+        from .signals import guard_child_failure_signal
 
         ray_bundle = self.options.ray_bundle
         if ray_bundle is not None and ray_bundle.get("executor", "ray") == "ray":
@@ -213,11 +215,11 @@ class SglangEngine(Engine):
             raise EngineUnavailable(self._failed)
         version = self.weight_version
         prompts = translate.tokenize_request(request, self.runtime.tokenizer)
-        translate.check_prompts(
+        validate_prompts(
             prompts,
-            vocab_size=self.runtime.vocab_size,
-            max_model_len=self.config.max_model_len or self.runtime.context_length,
             max_tokens=request.sampling.max_tokens,
+            max_model_len=self.config.max_model_len or self.runtime.context_length,
+            vocab_size=self.runtime.vocab_size,
         )
         self._submitted += 1
         outputs = await self._unless_failed(self.runtime.generate(**translate.generate_kwargs(request, prompts)))

@@ -51,6 +51,7 @@ def register_backends(register: Callable[[BackendSpec], None]) -> None:
             requires=("sglang",),
             description="SGLang's in-process Engine (CUDA): colocated, tensor parallel, sleep/wake.",
             capabilities=DEFAULT_CAPABILITIES,
+            main_thread_setup="rollout_engines_sglang.signals:install_child_failure_guard",
         )
     )
 

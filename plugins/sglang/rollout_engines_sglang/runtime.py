@@ -3,13 +3,14 @@
 :class:`SglangRuntime` lists the operations :class:`~.engine.SglangEngine` needs.
 :class:`InProcessRuntime` implements them on SGLang's in-process ``sglang.Engine``:
 
-* SGLang's engine lives on an event loop of its own, in a thread of its own ("roe-sglang"). Its
-  tokenizer manager binds background tasks to the loop of its first call, so calls arriving from
-  several loops (a trainer's, a blocking facade's, a test's) would hang; here they all run on the
-  one loop, and callers await them from anywhere.
+* SGLang's engine lives on an event loop of its own, in a thread of its own (a
+  :class:`rollout_engines.backend_kit.LoopThread` named "roe-sglang"). Its tokenizer manager binds
+  background tasks to the loop of its first call, so calls arriving from several loops (a
+  trainer's, a blocking facade's, a test's) would hang; here they all run on the one loop, and
+  callers await them from anywhere.
 * Starting it off the main thread also keeps SGLang from installing its signal handlers, which
   kill the whole process tree (the trainer included) when a worker fails; the engine routes that
-  signal through :func:`rollout_engines.envs.guard_child_failure_signal` instead.
+  signal through :func:`.signals.guard_child_failure_signal` instead.
 * The blocking helpers of ``sglang.Engine`` (``flush_cache()``, ``release_memory_occupation()``,
   ...) run ``loop.run_until_complete`` and cannot be used from a running loop; the adapter awaits
   the tokenizer manager's coroutines they wrap instead.
@@ -17,12 +18,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 from collections.abc import Awaitable, Sequence
-from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
+
+from rollout_engines.backend_kit import LoopThread
 
 logger = logging.getLogger("rollout_engines.sglang")
 
@@ -76,14 +76,12 @@ class InProcessRuntime:
     """``sglang.Engine`` on its own loop thread (see the module docstring)."""
 
     def __init__(self, server_kwargs: dict[str, Any]) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="roe-sglang", daemon=True)
-        self._thread.start()
+        self._loop = LoopThread("roe-sglang")
         try:
             # Constructed on the loop, so sglang.Engine adopts it (get_running_loop()).
-            self._engine = self._submit(self._construct(server_kwargs)).result()
+            self._engine = self._loop.run(self._construct(server_kwargs))
         except BaseException:
-            self._stop_loop()
+            self._loop.close()
             raise
         sa = self._engine.server_args
         self.tp_size: int = int(sa.tp_size)
@@ -98,11 +96,8 @@ class InProcessRuntime:
 
         return sglang.Engine(**server_kwargs)
 
-    def _submit(self, coro: Awaitable[T]) -> Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
-
     async def _call(self, coro: Awaitable[T]) -> T:
-        return await asyncio.wrap_future(self._submit(coro))
+        return await self._loop.call(coro)
 
     @property
     def _tm(self) -> Any:
@@ -195,11 +190,4 @@ class InProcessRuntime:
         try:
             self._engine.shutdown()
         finally:
-            self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
-        if not self._loop.is_running():
             self._loop.close()

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rollout_engines.errors import InvalidRequest
+from rollout_engines import backend_kit
 from rollout_engines.tokenization import chat_token_ids
 from rollout_engines.types import Completion, FinishReason, GenerateRequest, SamplingParams
 
@@ -67,7 +67,8 @@ def logprob_kwargs(s: SamplingParams) -> dict[str, Any]:
 
 
 def tokenize_request(request: GenerateRequest, tokenizer: Any) -> list[list[int]]:
-    """The prompt token ids of every prompt of ``request`` (chat templates applied)."""
+    """The prompt token ids of every prompt of ``request`` (chat templates applied); checked by the
+    core's :func:`~rollout_engines.backend_kit.validate_prompts` afterwards."""
     if request.prompt_token_ids is not None:
         return [list(p) for p in request.prompt_token_ids]
     if request.prompts is not None:
@@ -77,27 +78,7 @@ def tokenize_request(request: GenerateRequest, tokenizer: Any) -> list[list[int]
         out = []
         for chat in request.messages:
             out.append(chat_token_ids(tokenizer, chat))
-    empty = [i for i, p in enumerate(out) if not p]
-    if empty:
-        raise InvalidRequest(f"prompt {empty[0]} tokenizes to no tokens; pass a non-empty prompt")
     return out
-
-
-def check_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int | None, max_model_len: int | None,
-                  max_tokens: int) -> None:
-    """Refuse prompts SGLang would reject (or worse, index out of range) with a typed error."""
-    for i, p in enumerate(prompts):
-        if vocab_size is not None:
-            bad = [t for t in p if t >= vocab_size]
-            if bad:
-                raise InvalidRequest(
-                    f"prompt {i}: token id {bad[0]} is outside the vocabulary (size {vocab_size})"
-                )
-        if max_model_len is not None and len(p) + max_tokens > max_model_len:
-            raise InvalidRequest(
-                f"prompt {i}: {len(p)} prompt tokens + max_tokens {max_tokens} exceed the context "
-                f"window of {max_model_len}; shorten the prompt or lower max_tokens"
-            )
 
 
 def expand_prompts(prompts: Sequence[list[int]], n: int) -> list[list[int]]:
@@ -118,13 +99,9 @@ def generate_kwargs(request: GenerateRequest, prompts: Sequence[list[int]]) -> d
 
 
 def finish_reason(meta_info: Mapping[str, Any]) -> FinishReason:
-    """SGLang's ``meta_info['finish_reason']`` (a dict with 'type', or None) as the core's value."""
-    reason = meta_info.get("finish_reason")
-    kind = reason.get("type") if isinstance(reason, Mapping) else reason
-    if kind in ("stop", "length", "abort"):
-        return kind  # type: ignore[return-value]
-    # None: the request ended without a reason (only when it was cut off, e.g. at shutdown).
-    return "abort"
+    """SGLang's ``meta_info['finish_reason']`` (a dict with 'type', or None: cut off, e.g. at
+    shutdown) as the core's value."""
+    return backend_kit.finish_reason(meta_info.get("finish_reason"))
 
 
 def cut_at_stop_token(token_ids: list[int], stop_token_ids: Sequence[int]) -> int | None:

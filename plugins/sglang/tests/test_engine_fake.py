@@ -9,6 +9,7 @@ import torch
 from rollout_engines.errors import (
     CapabilityError,
     EngineAsleep,
+    InvalidRequest,
     WeightsInvalidated,
     WeightSyncError,
 )
@@ -180,6 +181,27 @@ async def test_request_features_and_controls(tiny_model) -> None:
     assert fake.flushes == flushes + 1
     await engine.close()
     assert fake.shut_down
+
+
+async def test_prompts_that_sglang_cannot_take_are_refused_before_it(tiny_model) -> None:
+    """The core's prompt rules, with SGLang's context length (the fake's: 256) and vocabulary:
+    prompt + max_tokens may fill the window exactly, one token more is refused, as are token ids
+    outside the vocabulary and empty prompts; nothing refused reaches SGLang."""
+    engine, fake = make(tiny_model)
+    try:
+        fits = GenerateRequest(prompt_token_ids=[[5] * 250], sampling=SamplingParams(temperature=0.0, max_tokens=6))
+        assert len((await engine.generate(fits))[0].token_ids) == 6
+        calls = len(fake.generate_calls)
+        too_long = GenerateRequest(prompt_token_ids=[[5] * 251], sampling=SamplingParams(temperature=0.0, max_tokens=6))
+        with pytest.raises(InvalidRequest, match="exceed the context window of 256"):
+            await engine.generate(too_long)
+        with pytest.raises(InvalidRequest, match="outside the model's vocabulary"):
+            await engine.generate(GenerateRequest(prompt_token_ids=[[1, fake.vocab_size]]))
+        with pytest.raises(InvalidRequest, match="no tokens"):
+            await engine.generate(GenerateRequest(prompts=[""]))
+        assert len(fake.generate_calls) == calls
+    finally:
+        await engine.close()
 
 
 async def test_requests_in_flight_on_a_failed_worker_get_a_clear_error_not_a_hang(tiny_model) -> None:

@@ -4,7 +4,6 @@ SGLang's outputs come back as the core's completions."""
 from __future__ import annotations
 
 import pytest
-from rollout_engines.errors import InvalidRequest
 from rollout_engines.types import GenerateRequest, SamplingParams
 from rollout_engines_sglang import translate
 
@@ -92,14 +91,6 @@ def test_tokenize_prompts_and_chats_with_the_model_tokenizer(tiny_model) -> None
     assert ids == [tok.encode(rendered, add_special_tokens=False)]
     assert ids[0][-3:] != ids[0][:3]  # the template wrapped the message
     assert translate.tokenize_request(GenerateRequest(prompt_token_ids=[[3, 4]]), tok) == [[3, 4]]
-
-
-def test_check_prompts_refuses_what_sglang_cannot_take() -> None:
-    translate.check_prompts([[1, 2]], vocab_size=10, max_model_len=8, max_tokens=6)
-    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
-        translate.check_prompts([[1, 10]], vocab_size=10, max_model_len=None, max_tokens=1)
-    with pytest.raises(InvalidRequest, match="exceed the context window of 8"):
-        translate.check_prompts([[1, 2, 3]], vocab_size=None, max_model_len=8, max_tokens=6)
 
 
 def test_stop_token_ids_with_ignore_eos_are_cut_here() -> None:

@@ -40,7 +40,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from rollout_engines.backend_kit import LoopThread, finish_reason, validate_prompts
 from rollout_engines.engine import Capabilities, Engine
 from rollout_engines.errors import (
     BackendNotInstalled,
@@ -73,6 +74,8 @@ T = TypeVar("T")
 
 WORKER_EXTENSION = "rollout_engines_vllm.worker_ext.WorkerExtension"  # vLLM qualname: dots only
 CPU_KV_CACHE_BYTES = 256 * 2**20
+#: The values vLLM 0.32 accepts as max_lora_rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 #: vLLM's sleep mode swaps the CUDA allocator of the process for its own (a process-wide
 #: singleton), so a second sleep-mode engine in one process breaks the first (vllm#18975).
@@ -124,9 +127,21 @@ class VllmOptions(BaseModel):
     pause_mode: Literal["keep", "wait", "abort"] | None = Field(
         default=None, description="Deprecated and ignored: pause(mode) says what happens to in-flight requests."
     )
+    enable_lora: bool = Field(default=False, description="Serve LoRA adapters (WeightSync.push_lora).")
+    max_lora_rank: int = Field(
+        default=16, description="Largest adapter rank (vLLM's max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320 or 512)."
+    )
+    max_loras: int = Field(default=2, ge=1, description="Adapters loaded at once (vLLM's max_loras).")
     cache_root: str | None = Field(default=None, description="VLLM_CACHE_ROOT (compile caches).")
     hf_offline: bool = Field(default=True, description="HF_HUB_OFFLINE=1 (unless set) when the model is a local directory.")
     log_stats: bool = False
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _lora_rank(cls, v: int) -> int:
+        if v not in VLLM_LORA_RANKS:
+            raise ValueError(f"vLLM serves max_lora_rank {', '.join(map(str, VLLM_LORA_RANKS))}, not {v}")
+        return v
 
 
 def checkpoint_dtype(model: str) -> str | None:
@@ -197,6 +212,8 @@ class _Seq:
     want_logprobs: bool
     want_top: bool
     prompt_top_k: int
+    lora_name: str | None = None  # GenerateRequest.lora
+    lora: Any = None  # that adapter's version, chosen when registered (lora.LoadedLora)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[TokenLogprob]] = field(default_factory=list)
@@ -226,8 +243,7 @@ class VllmEngine(Engine):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self.options = VllmOptions.model_validate(config.options)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._engine_loop: LoopThread | None = None
         self._llm: Any = None
         self._sleep_registered = False
         # Requests submitted, and how many had been when the prefix cache was last reset: equal
@@ -254,6 +270,14 @@ class VllmEngine(Engine):
         )
         self.sleep_mode = self._want_sleep_mode()
         self.capabilities = self._capabilities_for(self.platform, self.sleep_mode)
+        self._loras: Any = None
+        if self.options.enable_lora:
+            from .lora import VllmLoras
+
+            self.capabilities = self.capabilities.model_copy(
+                update={"lora": self.options.max_lora_rank, "max_loras": self.options.max_loras}
+            )
+            self._loras = VllmLoras(self)
         if self.sleep_mode:
             self._claim_sleep_mode()
         try:
@@ -382,23 +406,26 @@ class VllmEngine(Engine):
             kwargs["kv_cache_memory_bytes"] = kv_bytes
         if self.sleep_mode:
             kwargs["enable_sleep_mode"] = True
+        if opts.enable_lora:
+            kwargs.update(enable_lora=True, max_lora_rank=opts.max_lora_rank, max_loras=opts.max_loras)
         return AsyncEngineArgs(**kwargs)
 
     def _start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = self.engine_args()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="roe-vllm-loop", daemon=True)
-        self._thread.start()
+        self._engine_loop = LoopThread("roe-vllm-loop")
         start = time.perf_counter()
 
         async def make() -> Any:
             # Built inside the engine loop so AsyncLLM's output handler lives there.
             return AsyncLLM.from_engine_args(args)
 
-        self._llm = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
+        self._llm = self._engine_loop.run(make())
         self._tokenizer = self._llm.get_tokenizer()
+        model_config = self._llm.model_config
+        self._max_model_len: int | None = getattr(model_config, "max_model_len", None)
+        self._vocab_size: int | None = model_config.get_vocab_size() if hasattr(model_config, "get_vocab_size") else None
         self._workers: list[dict[str, Any]] = self._sync(lambda: self._llm.collective_rpc("roe_worker_info"))
         max_logprobs = int(getattr(self._llm.model_config, "max_logprobs", MAX_LOGPROBS))
         if 0 <= max_logprobs < MAX_LOGPROBS:
@@ -417,24 +444,14 @@ class VllmEngine(Engine):
 
     # ---- running coroutines on the engine loop -----------------------------------------------------
     def _sync(self, factory: Callable[[], Awaitable[T]]) -> T:
-        assert self._loop is not None
-
-        async def call() -> T:
-            return await factory()
-
-        return asyncio.run_coroutine_threadsafe(call(), self._loop).result()
+        assert self._engine_loop is not None
+        return self._engine_loop.run(factory)
 
     async def _on_loop(self, factory: Callable[[], Awaitable[T]]) -> T:
         """Await ``factory()`` on the engine loop from any caller loop (cancellation propagates)."""
-        if self._loop is None or self._loop.is_closed():
+        if self._engine_loop is None or self._engine_loop.closed:
             raise EngineClosed("vLLM engine is closed; create a new one")
-
-        async def call() -> T:
-            return await factory()
-
-        if asyncio.get_running_loop() is self._loop:
-            return await call()
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), self._loop))
+        return await self._engine_loop.call(factory)
 
     # ---- generation ----------------------------------------------------------------------------------
     def _vllm_sampling(self, s: SamplingParams, seed: int | None, *, delta: bool = False) -> Any:
@@ -461,21 +478,27 @@ class VllmEngine(Engine):
             output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
         )
 
-    def _prompts(self, request: GenerateRequest) -> list[dict[str, Any]]:
+    def _prompts(self, request: GenerateRequest) -> list[list[int]]:
+        """Every prompt's token ids, checked by the core's prompt rules. Text is tokenized here as
+        vLLM would (special tokens added), so the rules see every prompt."""
         if request.prompt_token_ids is not None:
-            return [{"prompt_token_ids": list(ids)} for ids in request.prompt_token_ids]
-        if request.prompts is not None:
-            if request.continue_from is not None:  # the earlier tokens are appended to the prompt's
-                return [{"prompt_token_ids": list(self._tokenizer.encode(text))} for text in request.prompts]
-            return [{"prompt": text} for text in request.prompts]
-        assert request.messages is not None
-        out = []
-        for chat in request.messages:
-            text = self._tokenizer.apply_chat_template(
-                [m.model_dump() for m in chat], add_generation_prompt=True, tokenize=False
-            )
-            out.append({"prompt_token_ids": self._tokenizer.encode(text, add_special_tokens=False)})
-        return out
+            prompts = [list(ids) for ids in request.prompt_token_ids]
+        elif request.prompts is not None:
+            prompts = [list(self._tokenizer.encode(text)) for text in request.prompts]
+        else:
+            assert request.messages is not None
+            prompts = []
+            for chat in request.messages:
+                text = self._tokenizer.apply_chat_template(
+                    [m.model_dump() for m in chat], add_generation_prompt=True, tokenize=False
+                )
+                prompts.append(list(self._tokenizer.encode(text, add_special_tokens=False)))
+        priors = request.continue_from
+        validate_prompts(
+            prompts, max_tokens=request.sampling.max_tokens, max_model_len=self._max_model_len,
+            vocab_size=self._vocab_size, continued=[p.token_ids for p in priors] if priors is not None else None,
+        )
+        return prompts
 
     def _plan(self, request: GenerateRequest, *, delta: bool) -> list[_Seq]:
         """One vLLM request per prompt x sample, prompt-major, each under its request id. Sample k
@@ -486,13 +509,14 @@ class VllmEngine(Engine):
         rids = request.sequence_ids()
         priors = request.continue_from
         seqs = []
-        for i, prompt in enumerate(prompts):
+        for i, ids in enumerate(prompts):
             prior = priors[i] if priors is not None else None
             prompt_len = None
+            prompt = {"prompt_token_ids": ids}
             if prior is not None:
                 self._check_prior(i, prior, request)
-                prompt_len = len(prompt["prompt_token_ids"])
-                prompt = {"prompt_token_ids": [*prompt["prompt_token_ids"], *prior.token_ids]}
+                prompt_len = len(ids)
+                prompt = {"prompt_token_ids": [*ids, *prior.token_ids]}
             for k in range(s.n):
                 index = i * s.n + k
                 seed = None if s.seed is None else (s.seed + index + 2**63) % 2**64 - 2**63
@@ -500,7 +524,7 @@ class VllmEngine(Engine):
                     rid=rids[index], prompt_index=i, sample_index=k, prompt=prompt,
                     params=self._vllm_sampling(s, seed, delta=delta), prompt_len=prompt_len, prior=prior,
                     want_logprobs=s.logprobs is not None, want_top=s.top_logprobs is not None,
-                    prompt_top_k=s.prompt_logprobs or 0,
+                    prompt_top_k=s.prompt_logprobs or 0, lora_name=request.lora,
                 ))
         return seqs
 
@@ -529,6 +553,8 @@ class VllmEngine(Engine):
                     "unique among running requests"
                 )
             for q in seqs:
+                if q.lora_name is not None:  # under the lock: a LoRA push retires no version chosen here
+                    q.lora = self._loras.select(q.lora_name)
                 self._seqs[q.rid] = q
 
     def _unregister(self, seqs: list[_Seq]) -> None:
@@ -542,7 +568,8 @@ class VllmEngine(Engine):
         try:
             if not seq.aborted:  # aborted before it reached vLLM: answered here, with no tokens
                 seq.started = True
-                async for out in llm.generate(seq.prompt, seq.params, seq.rid):
+                lora_request = seq.lora.request if seq.lora is not None else None
+                async for out in llm.generate(seq.prompt, seq.params, seq.rid, lora_request=lora_request):
                     self._absorb(seq, out)
                     if notify is not None:
                         notify()
@@ -575,7 +602,7 @@ class VllmEngine(Engine):
                     if seq.want_top:
                         seq.top.append(_top_list(step))
             if sample.finish_reason is not None:
-                seq.finish = sample.finish_reason if sample.finish_reason in ("stop", "length") else "abort"
+                seq.finish = finish_reason(sample.finish_reason)
                 self._versions_from_spans(seq, getattr(sample, "weight_versions", None))
         if out.finished and seq.finish is None:
             seq.finish = "abort"
@@ -659,6 +686,8 @@ class VllmEngine(Engine):
             finish_reason=seq.finish or "abort",
             weight_version=versions[-1] if versions else self.weight_version,
             token_weight_versions=versions if len(set(versions)) > 1 else None,
+            lora=seq.lora.name if seq.lora is not None else None,
+            lora_version=seq.lora.version if seq.lora is not None else None,
         )
 
     async def _generate(self, request: GenerateRequest) -> list[Completion]:
@@ -692,7 +721,7 @@ class VllmEngine(Engine):
         slow consumer is what was made since its last take (at most ``max_tokens`` a sequence)."""
         seqs = self._plan(request, delta=True)
         self._register(seqs)
-        llm, loop = self._llm, self._loop
+        llm, engine_loop = self._llm, self._engine_loop
         self._submitted += 1
         state: dict[str, Any] = {}
 
@@ -733,8 +762,8 @@ class VllmEngine(Engine):
                     yield delta
         finally:
             tasks = state.get("tasks", [])
-            if tasks and loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(lambda: [t.cancel() for t in tasks if not t.done()])  # aborts in vLLM
+            if tasks and engine_loop is not None and not engine_loop.closed:
+                engine_loop.loop.call_soon_threadsafe(lambda: [t.cancel() for t in tasks if not t.done()])  # aborts in vLLM
             self._unregister(seqs)
 
     async def _abort(self, request_ids: Sequence[str] | None) -> None:
@@ -911,6 +940,14 @@ class VllmEngine(Engine):
         self._label_version = manifest.version
         await self._label_weights()
 
+    async def _receive_lora(self, manifest: WeightManifest) -> None:
+        """Through the weight-sync transport into the workers, then registered with vLLM
+        (:mod:`.lora`)."""
+        await self._loras.receive(manifest)
+
+    async def _unload_lora(self, name: str) -> None:
+        await self._loras.unload(name)
+
     async def _close_weight_transfer(self) -> None:
         if self._llm is not None and not self._closed:
             await self._rpc("roe_close_weight_transfer", timeout=60)
@@ -931,25 +968,24 @@ class VllmEngine(Engine):
 
     async def _close(self) -> None:
         await asyncio.to_thread(self._shutdown_quietly)
+        if self._loras is not None:
+            self._loras.close()
 
     def _shutdown_quietly(self) -> None:
+        engine_loop = self._engine_loop
         try:
-            if self._llm is not None and self._loop is not None and not self._loop.is_closed():
+            if self._llm is not None and engine_loop is not None and not engine_loop.closed:
                 llm, self._llm = self._llm, None
 
                 async def stop() -> None:
                     llm.shutdown()
 
-                asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=120)
+                engine_loop.run(stop(), timeout=120)
         except Exception:
             logger.warning("vLLM shutdown failed", exc_info=True)
         finally:
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                if self._thread is not None:
-                    self._thread.join(timeout=30)
-                if not self._loop.is_running():
-                    self._loop.close()
+            if engine_loop is not None:
+                engine_loop.close()
             with _SLEEP_MODE_LOCK:
                 if self._sleep_registered:
                     _SLEEP_MODE_ENGINES.discard(self)

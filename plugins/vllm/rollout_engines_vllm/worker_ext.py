@@ -223,6 +223,35 @@ class WorkerExtension:
                 logger.warning("weight update failed in worker: %s", exc)
             return error_result(exc)
 
+    def roe_lora_setup(self) -> None:
+        """Prepare this worker for LoRA requests (before the first adapter is registered)."""
+        from .lora import worker_lora_setup
+
+        worker_lora_setup(self)
+
+    def roe_receive_lora(self, wire: dict[str, Any], path: str) -> dict[str, Any]:
+        """Receive a LoRA adapter push (``wire``: a manifest with ``lora`` set) through this worker's
+        receiver, leaving the model untouched; rank 0 writes it as a PEFT folder at ``path``."""
+        from .lora import receive_adapter, worker_lora_modules, write_peft_folder
+
+        state = self._roe_state()
+        receiver: WeightReceiver | None = state["receiver"]
+        if receiver is None:
+            return error_result(WeightSyncError("no weight transfer initialised in this worker; connect first"))
+        try:
+            manifest = manifest_from_wire(wire)
+            spec = manifest.lora
+            if spec is None:
+                raise ManifestMismatch("a LoRA receive needs a manifest with 'lora' set")
+            tensors = receive_adapter(receiver, manifest, state["target"].expected_specs(), worker_lora_modules(self))
+            if int(getattr(self, "rank", 0)) == 0:
+                write_peft_folder(path, spec, tensors, str(self.model_runner.model_config.model))
+            return {"ok": True, "version": manifest.version, "timings": receiver.last_timings}
+        except BaseException as exc:
+            if not isinstance(exc, ManifestMismatch):
+                logger.warning("LoRA receive failed in worker: %s", exc)
+            return error_result(exc)
+
     def roe_close_weight_transfer(self) -> None:
         state = self._roe_state()
         if state["receiver"] is not None:

@@ -18,7 +18,7 @@ def unstarted(model: str):
 
     engine = VllmEngine.__new__(VllmEngine)
     Engine.__init__(engine, EngineConfig(backend="vllm", model=model))
-    engine._sleep_registered, engine._loop, engine._thread, engine._llm = False, None, None, None
+    engine._sleep_registered, engine._engine_loop, engine._llm = False, None, None
     return engine
 
 

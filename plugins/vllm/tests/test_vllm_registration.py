@@ -44,3 +44,19 @@ def test_auto_dtype_is_the_checkpoint_dtype(tiny_model):
 
     assert checkpoint_dtype(str(tiny_model)) == "float32"
     assert checkpoint_dtype("not/a/local/dir") is None
+
+
+def test_ray_bundles_reach_vllm_through_its_registration():
+    """The core's device environment names no vLLM variable: the plugin's ``ray_bundle_env`` adds
+    vLLM's bundle variables for workers its Ray executor starts, and only for executor 'ray'."""
+    from rollout_engines.envs import RAY_NOSET, setup_device_env
+
+    env = {"CUDA_VISIBLE_DEVICES": "1"}
+    changes = setup_device_env("vllm", ray_bundle={"bundle_indices": [4, 5], "gpus_per_worker": 0.5}, environ=env)
+    assert changes == {
+        RAY_NOSET: "1", "CUDA_VISIBLE_DEVICES": None,
+        "VLLM_RAY_BUNDLE_INDICES": "4,5", "VLLM_RAY_PER_WORKER_GPUS": "0.5",
+    }
+    assert env == {RAY_NOSET: "1", "VLLM_RAY_BUNDLE_INDICES": "4,5", "VLLM_RAY_PER_WORKER_GPUS": "0.5"}
+    mp = setup_device_env("vllm", ray_bundle={"bundle_indices": [0], "executor": "mp", "gpu_ids": [3]}, environ={})
+    assert mp == {RAY_NOSET: "1", "CUDA_VISIBLE_DEVICES": "3"}

@@ -34,6 +34,10 @@ It runs on the CPU or one GPU, in the caller's process:
   discards them, and the engine refuses to generate until a complete push arrives.
 - **Weights** arrive through the core's :class:`WeightReceiver` over any registered transport the
   device can take (on a GPU, CPU transports land on the host and are copied up).
+- **LoRA adapters** (``WeightSync.push_lora``) arrive through the same receiver
+  (:func:`~rollout_engines.weights.lora.receive_lora`) and are applied by our own low-rank hooks on
+  the linear layers, per row (:mod:`.lora`): one batch may mix adapters and the base model. A
+  request takes its adapter's current version when it is admitted and keeps it to the end.
 - **Requests fail and end alone.** Text prompts are tokenized and every prompt is checked before
   the job is queued (large ones in a thread of their own, so the worker keeps stepping the other
   requests); each job's rows and sampling state are built on their own before the batch runs, so
@@ -47,7 +51,8 @@ undelivered per row before the row waits for its consumer), ``keep_kv_on_weight_
 False: see above), ``num_threads`` (CPU intra-op threads of the engine's worker;
 default 1 for models under 50M parameters, else torch's setting), ``weight_apply_mode`` (``"staged"``, the default: an interrupted
 update changes nothing; ``"inplace"``: no second copy of the weights, an interrupted update makes
-the engine refuse to generate until the next complete push).
+the engine refuse to generate until the next complete push), ``max_lora_rank`` (default 64: the
+``lora`` capability; 0 turns LoRA off), ``max_loras`` (default 4: adapters loaded at once).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
+from ...backend_kit import validate_prompts
 from ...engine import Capabilities, Engine
 from ...errors import (
     EngineAsleep,
@@ -86,9 +92,11 @@ from ...types import (
     StreamDelta,
     TokenLogprob,
 )
+from ...weights.lora import receive_lora
 from ...weights.manifest import TensorSpec, TransportSpec, WeightManifest
 from ...weights.receiver import StateDictTarget, WeightReceiver
 from .generation import Batch, Row, make_rows, run_batch
+from .lora import Adapter, LoraLayers
 
 logger = logging.getLogger("rollout_engines.backends.transformers")
 
@@ -239,6 +247,10 @@ class TransformersEngine(Engine):
         self._apply_mode: Literal["staged", "inplace"] = apply_mode
         self.stream_buffer_tokens = max(1, int(options.pop("stream_buffer_tokens", 64)))
         self.keep_kv_on_weight_change = bool(options.pop("keep_kv_on_weight_change", False))
+        max_lora_rank = int(options.pop("max_lora_rank", 64))
+        max_loras = int(options.pop("max_loras", 4))
+        if max_lora_rank < 0 or max_loras < 0:
+            raise ValueError("max_lora_rank and max_loras must be >= 0")
         attn = options.pop("attn_implementation", "sdpa")
         threads = options.pop("num_threads", None)
         if options:
@@ -261,10 +273,14 @@ class TransformersEngine(Engine):
         self.num_threads = int(threads) if threads is not None else (1 if n_params < 50_000_000 else None)
         self.eos_ids = self._eos_ids()
 
-        self.capabilities = self.capabilities.model_copy(update={"transports": _transports_for(self.device)})
+        self.capabilities = self.capabilities.model_copy(update={
+            "transports": _transports_for(self.device),
+            "lora": max_lora_rank if max_loras else 0, "max_loras": max_loras if max_lora_rank else 0,
+        })
         self._shared_generator = torch.Generator(device=self.device)
         self._shared_generator.manual_seed(config.seed)
         self._target = StateDictTarget(self.hf_model)
+        self._lora = LoraLayers(self.hf_model)
         self._receive_lock = threading.Lock()  # one receive at a time; close waits for it
         self._receiver: WeightReceiver | None = None
         # Unique parameters (tied weights appear once), by their first name.
@@ -438,13 +454,16 @@ class TransformersEngine(Engine):
             if not self.keep_kv_on_weight_change:
                 self._drop_kv()
         self._unpark()
+        if self._lora.hooked and not self._lora.adapters and not self._rows_hold_adapters():
+            self._lora.detach_all()  # every adapter was unloaded and its last rows finished
         if self._frozen or not self._can_step():
             return
         self._admit()
         if not self._batch.rows:
             return
         try:
-            finished = self._batch.step(self.hf_model, self.tokenizer, self._shared_generator, self._model_version)
+            finished = self._batch.step(self.hf_model, self.tokenizer, self._shared_generator, self._model_version,
+                                        lora=self._lora)
         except Exception as exc:  # the whole step failed: not attributable to one request
             logger.exception("a generation step failed")
             jobs = list(dict.fromkeys(r.owner for r in self._batch.rows))
@@ -456,6 +475,9 @@ class TransformersEngine(Engine):
         for row in finished:
             self._row_done(row)
         self._park()
+
+    def _rows_hold_adapters(self) -> bool:
+        return any(r.lora is not None for r in (*self._batch.rows, *self._pending, *self._parked))
 
     def _admit(self) -> None:
         """Prefill pending rows into the running batch, as many as there is room for."""
@@ -482,8 +504,9 @@ class TransformersEngine(Engine):
                 self._fail(job, exc)
 
     def _prefill(self, rows: list[Row]) -> None:
+        self._lora.attach(r.lora for r in rows)
         run_batch(self.hf_model, self.tokenizer, rows, batch=self._batch, pad_id=self.pad_id,
-                  version=self._model_version)
+                  version=self._model_version, lora=self._lora)
         if any(r.prefills == 0 for r in rows):
             self.batches_run += 1  # a group of new requests joined the running batch
         for r in rows:
@@ -660,33 +683,16 @@ class TransformersEngine(Engine):
         the tokens of the completion it continues, if any)."""
         prompts = self._tokenize(request)
         priors = request.continue_from
-        for i, p in enumerate(prompts):
-            if not p:
-                raise InvalidRequest(f"prompt {i} is empty after tokenization; give at least one token of text")
-            bad = next((t for t in p if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequest(
-                    f"prompt {i} has token id {bad} outside the model's vocabulary (size {self.vocab_size})"
-                )
-            if len(p) >= self.max_model_len:
-                raise InvalidRequest(
-                    f"prompt {i} has {len(p)} tokens; the context window is {self.max_model_len} "
-                    "(max_model_len), which leaves no room to generate. Shorten the prompt"
-                )
-            if priors is not None:
-                self._check_prior(i, p, priors[i], request)
+        validate_prompts(prompts, max_tokens=request.sampling.max_tokens, max_model_len=self.max_model_len,
+                         vocab_size=self.vocab_size,
+                         continued=[c.token_ids for c in priors] if priors is not None else None)
+        if priors is not None:
+            for i, prior in enumerate(priors):
+                self._check_prior(i, prior, request)
         return prompts
 
-    def _check_prior(self, i: int, prompt: list[int], prior: Completion, request: GenerateRequest) -> None:
+    def _check_prior(self, i: int, prior: Completion, request: GenerateRequest) -> None:
         ids = prior.token_ids
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"continue_from[{i}] has token id {bad} outside the model's vocabulary")
-        if len(prompt) + len(ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"prompt {i} and the {len(ids)} tokens it continues fill the context window "
-                f"({self.max_model_len}, max_model_len): no room to generate"
-            )
         s = request.sampling
         if s.logprobs is not None and ids and (prior.logprobs is None or len(prior.logprobs) != len(ids)):
             raise InvalidRequest(
@@ -708,7 +714,17 @@ class TransformersEngine(Engine):
             prompts, request.sampling, eos_ids=self.eos_ids, max_len=self.max_model_len, device=self.device,
             first_key=first_key, vocab=self.vocab_size, cancel=job.cancel,
             request_ids=job.ids or request.sequence_ids(), priors=request.continue_from,
+            lora=self._adapter(request.lora),
         )
+
+    def _adapter(self, name: str | None) -> Adapter | None:
+        """The current version of adapter ``name`` (taken once per request, when it is admitted)."""
+        if name is None:
+            return None
+        adapter = self._lora.adapters.get(name)
+        if adapter is None:
+            raise InvalidRequest(f"LoRA adapter '{name}' was unloaded before this request ran; push it again")
+        return adapter
 
     async def _start(self, request: GenerateRequest, stream: _Stream | None = None) -> _GenerateJob:
         """Tokenize and check a request, then queue it. Here, not on the worker: a large prompt
@@ -1003,6 +1019,29 @@ class TransformersEngine(Engine):
                 self._invalid_reason = str(exc)
                 raise
             self._invalid_reason = None
+
+    async def _receive_lora(self, manifest: WeightManifest) -> None:
+        receiver = self._receiver
+        if receiver is None:
+            raise WeightSyncError(
+                "engine 'transformers' has no weight transfer open; connect one with connect_weight_sync()"
+            )
+        spec = manifest.lora
+        assert spec is not None
+
+        def receive() -> Adapter:
+            with self._receive_lock:
+                tensors = receive_lora(receiver, manifest, self._lora.base_specs())
+            return self._lora.build(spec.name, manifest.version, spec.scaling, tensors)
+
+        adapter = await run_in_thread(receive, name="roe-lora-receive")
+        with self._cv:  # requests admitted from the next step on get this version
+            self._lora.adapters[spec.name] = adapter
+
+    async def _unload_lora(self, name: str) -> None:
+        with self._cv:  # rows running with it finish with it; its hooks go once none is left
+            self._lora.adapters.pop(name, None)
+            self._cv.notify()
 
     def _close_receiver(self, receiver: WeightReceiver) -> None:
         """Cancel a receive in progress on ``receiver``, wait until it gave up, then close it."""

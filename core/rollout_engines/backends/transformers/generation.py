@@ -15,7 +15,8 @@ and, for every row, the logits of its next token. Rows join and leave it between
 A row's context is its prompt, the tokens of the completion it continues (``continue_from``) and
 the tokens generated so far; a row whose KV was dropped (a weight change, sleep) is prefilled
 again from that context and carries on. Every generated token records the weight version of the
-forward pass that produced its logits (``Row.versions``).
+forward pass that produced its logits (``Row.versions``). A row may carry a LoRA adapter
+(``Row.lora``, see :mod:`.lora`): every forward tells the model's hooks which rows use which.
 
 Logprobs are "raw": ``log_softmax`` of the model's logits, before temperature, top-k/top-p/min-p
 (as vLLM returns by default); the sampled token's logprob, the top-k lists and prompt logprobs all
@@ -43,14 +44,18 @@ row (``error``) and ends only that row. The other rows of the batch carry on.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...types import Completion, FinishReason, SamplingParams, TokenLogprob
 from .sampling import RowParams, RowSampling, row_generator, sample, sampling_state
+
+if TYPE_CHECKING:
+    from .lora import Adapter, LoraLayers
 
 TopList = list[tuple[int, float]]
 
@@ -127,6 +132,7 @@ class Row:
     logits_version: int = 0  # the weight version that computed the row's pending logits
     prefills: int = 0  # times its context was prefilled (more than once: its KV was dropped)
     owner: Any = None  # the engine's request
+    lora: Adapter | None = None  # the adapter version the row runs with, taken when admitted
     parked: Batch | None = None  # taken out of the running batch with its own KV
     visible: int = 0  # streaming: tokens published to the consumer / taken by it / final published
     delivered: int = 0
@@ -176,6 +182,8 @@ class Row:
             finish_reason=self.finish or "length",
             weight_version=versions[-1] if versions else version,
             token_weight_versions=versions if len(set(versions)) > 1 else None,
+            lora=self.lora.name if self.lora is not None else None,
+            lora_version=self.lora.version if self.lora is not None else None,
         )
 
 
@@ -191,13 +199,15 @@ def make_rows(
     cancel: threading.Event | None = None,
     request_ids: list[str] | None = None,
     priors: list[Completion] | None = None,
+    lora: Adapter | None = None,
 ) -> list[Row]:
     """Rows of one request, prompt-major (all samples of prompt 0 first).
 
     Everything that depends on the request's values alone is built here, so a request whose values
     cannot be used fails here rather than in the batch it would have joined. ``vocab``: check and
     clamp the sampling values for it now (else the batch does, for all its rows). ``priors``: the
-    completion each prompt continues (``continue_from``); ``max_tokens`` counts new tokens."""
+    completion each prompt continues (``continue_from``); ``max_tokens`` counts new tokens.
+    ``lora``: the adapter every row uses."""
     stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids)
     sampling = sampling_state(params, vocab) if vocab is not None else None
     rows: list[Row] = []
@@ -214,7 +224,7 @@ def make_rows(
                     sampling=sampling, generator=gen, cancel=cancel,
                     stop_strings=StopStrings(params.stop) if params.stop else None,
                     request_id=request_ids[index] if request_ids is not None else "", index=index, prior=prior,
-                    top=[] if params.top_logprobs is not None else None,
+                    top=[] if params.top_logprobs is not None else None, lora=lora,
                 )
             )
     return rows
@@ -250,6 +260,13 @@ def _step_row(row: Row, token: int, logprob: float, tokenizer: Any, top: TopList
 
 def _cancelled(row: Row) -> bool:
     return row.cancel is not None and row.cancel.is_set()
+
+
+def _adapters(lora: LoraLayers | None, rows: list[Row]) -> contextlib.AbstractContextManager[None]:
+    """The context of one forward over ``rows`` (in batch order): which rows use which adapter."""
+    if lora is None or all(r.lora is None for r in rows):
+        return contextlib.nullcontext()
+    return lora.rows([r.lora for r in rows])
 
 
 # ---- the KV cache -------------------------------------------------------------------------------
@@ -373,9 +390,11 @@ class Batch:
         self._set([r for b in parts for r in b.rows], layers, torch.cat(masks), logits)
 
     @torch.inference_mode()
-    def step(self, model: Any, tokenizer: Any, shared: torch.Generator, version: int) -> list[Row]:
+    def step(self, model: Any, tokenizer: Any, shared: torch.Generator, version: int,
+             lora: LoraLayers | None = None) -> list[Row]:
         """Sample one token for every row, then feed the rows that go on (their next logits come
-        from weights ``version``). Returns the rows that finished (they left the batch)."""
+        from weights ``version``; rows with an adapter through ``lora``'s hooks). Returns the rows
+        that finished (they left the batch)."""
         assert self.logits is not None and self.params is not None and self.mask is not None
         rows = self.rows
         tokens, logprobs = sample(self.logits, self.params, [r.generator for r in rows], shared)
@@ -410,8 +429,9 @@ class Batch:
         assert self.mask is not None
         positions = self.mask.sum(-1, keepdim=True)  # the new token follows every real one
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=-1)
-        out = model(input_ids=tokens.unsqueeze(-1), attention_mask=_attention(model, self.mask, 1),
-                    position_ids=positions, past_key_values=self.cache, use_cache=True)
+        with _adapters(lora, self.rows):
+            out = model(input_ids=tokens.unsqueeze(-1), attention_mask=_attention(model, self.mask, 1),
+                        position_ids=positions, past_key_values=self.cache, use_cache=True)
         self.logits = out.logits[:, -1, :].float()
         for row in self.rows:
             row.logits_version = version
@@ -445,6 +465,7 @@ def run_batch(
     batch: Batch,
     pad_id: int,
     version: int = 0,
+    lora: LoraLayers | None = None,
 ) -> None:
     """Prefill ``rows`` (each distinct context once, left-padded) and merge them into ``batch``,
     where they are stepped with the rows already running. Rows that asked for prompt logprobs get
@@ -468,8 +489,9 @@ def run_batch(
     want_prompt = [g for g in members if any(r.params.prompt_logprobs is not None and r.prompt_logprobs is None
                                             for r in g)]
     cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=_attention(model, mask, width), position_ids=positions,
-                past_key_values=cache, use_cache=True, **({} if want_prompt else {"logits_to_keep": 1}))
+    with _adapters(lora, [g[0] for g in members]):  # a group is one request's rows: one adapter
+        out = model(input_ids=ids, attention_mask=_attention(model, mask, width), position_ids=positions,
+                    past_key_values=cache, use_cache=True, **({} if want_prompt else {"logits_to_keep": 1}))
     for b, g in enumerate(members):
         if g not in want_prompt:
             continue

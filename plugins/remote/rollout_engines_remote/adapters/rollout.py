@@ -15,6 +15,8 @@ pause / resume              ``POST /pause`` ``{"mode"}`` / ``POST /resume``
 init_weight_transfer        ``POST /weights/init`` (TransportSpec)
 receive_weights             ``POST /weights/update`` (WeightManifest -> ``{"weight_version"}``)
 close_weight_transfer       ``POST /weights/close``
+unload_lora                 ``POST /lora/unload`` ``{"name"}`` (-> ``{"unloaded"}``); LoRA pushes are
+                            ``receive_weights`` with ``manifest.lora`` set
 info / health               ``GET /info`` / ``GET /health``
 diagnostics                 ``GET /diagnostics[?fingerprint=true]`` (-> Diagnostics)
 close                       nothing: the server outlives its clients (closing one closes its connections)
@@ -45,6 +47,7 @@ ROUTES: dict[str, tuple[str, str]] = {
     "init_weight_transfer": ("POST", "/weights/init"),
     "receive_weights": ("POST", "/weights/update"),
     "close_weight_transfer": ("POST", "/weights/close"),
+    "unload_lora": ("POST", "/lora/unload"),
     "info": ("GET", "/info"), "health": ("GET", "/health"), "diagnostics": ("GET", "/diagnostics"),
 }
 STREAM_PATH = "/generate/stream"
@@ -66,7 +69,7 @@ class RolloutServerChannel(Channel):
         self.weight_receivers = int((extra.get("server") or {}).get("weight_receivers", 1))
         return {"backend": info.get("backend", "?"), "capabilities": dict(info.get("capabilities") or {}),
                 "weight_version": int(info.get("weight_version", 0)), "weight_receivers": self.weight_receivers,
-                "info": info}
+                "loras": dict(info.get("loras") or {}), "info": info}
 
     @staticmethod
     def _body(method: str, args: dict[str, Any]) -> Any:
@@ -82,6 +85,8 @@ class RolloutServerChannel(Channel):
             return json.loads(manifest_from_wire(args["manifest"]).model_dump_json())
         if method in ("sleep", "wake_up", "pause"):
             return args
+        if method == "unload_lora":
+            return {"name": args["name"]}
         return None
 
     async def call(self, method: str, args: dict[str, Any], timeout_s: float | None) -> Any:
@@ -112,6 +117,8 @@ class RolloutServerChannel(Channel):
             self._session = session
         if method == "receive_weights":
             return int(out["weight_version"])
+        if method == "unload_lora":
+            return bool(out["unloaded"])
         if method in ("generate", "chat", "info", "diagnostics"):
             return out
         return None

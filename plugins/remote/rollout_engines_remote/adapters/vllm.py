@@ -20,10 +20,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+from rollout_engines.backend_kit import finish_reason
 from rollout_engines.engine import Capabilities
 from rollout_engines.errors import WeightSyncError
 from rollout_engines.proxy import raise_for_workers
-from rollout_engines.types import Completion, FinishReason, GenerateRequest, PauseMode, SamplingParams
+from rollout_engines.types import Completion, GenerateRequest, PauseMode, SamplingParams
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 
 from .base import ServerAdapter
@@ -48,10 +49,6 @@ def sampling_body(s: SamplingParams) -> dict[str, Any]:
     if s.seed is not None:
         body["seed"] = s.seed
     return body
-
-
-def _finish(reason: Any) -> FinishReason:
-    return reason if reason in ("stop", "length", "abort") else "abort"
 
 
 def worker_results(payload: Any, what: str, *, applies_weights: bool = False) -> list[dict[str, Any]]:
@@ -140,7 +137,7 @@ class VllmServerAdapter(ServerAdapter):
             completions.append(Completion(
                 prompt_index=i // s.n, sample_index=i % s.n, prompt_token_ids=choice.get("prompt_token_ids") or [],
                 token_ids=choice.get("token_ids") or [], text=choice.get("text") or "", logprobs=logprobs,
-                finish_reason=_finish(choice.get("finish_reason")), weight_version=weight_version,
+                finish_reason=finish_reason(choice.get("finish_reason")), weight_version=weight_version,
             ))
         return completions
 
@@ -168,7 +165,7 @@ class VllmServerAdapter(ServerAdapter):
             completions.append(Completion(
                 prompt_index=index, sample_index=int(choice["index"]), prompt_token_ids=prompt_ids,
                 token_ids=choice.get("token_ids") or [], text=choice["message"].get("content") or "",
-                logprobs=logprobs, finish_reason=_finish(choice.get("finish_reason")), weight_version=version,
+                logprobs=logprobs, finish_reason=finish_reason(choice.get("finish_reason")), weight_version=version,
             ))
         return completions
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import json
 import logging
 import math
 import os
@@ -16,7 +15,8 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+
+from rollout_engines.options import add_option_argument, merge_options, split_engine_kwargs
 
 from ..protocol import API_KEY_ENV
 from .app import create_app
@@ -178,17 +178,6 @@ def install_accept_error_filter(every_s: float = 10.0) -> AcceptErrorFilter:
 
 
 # ---- command line ------------------------------------------------------------------------------
-def _parse_option(text: str) -> tuple[str, Any]:
-    key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--option wants KEY=VALUE, got '{text}'")
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        value = raw
-    return key, value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout-engines serve", description="Serve an engine of any installed backend over HTTP.")
     p.add_argument("--backend", default="transformers", help="backend name (see `rollout-engines backends`)")
@@ -213,8 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a request body must arrive within this time (408 otherwise)")
     p.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S, metavar="SECONDS",
                    help="close idle keep-alive connections after this many seconds")
-    p.add_argument("--option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
-                   help="engine option (EngineConfig field or backend option); VALUE parsed as JSON when it can be")
+    add_option_argument(p, help="engine option (EngineConfig field or backend option)")
     p.add_argument("--factory", default=None, metavar="MODULE:CLASS",
                    help="serve an engine class that is not a registered backend (tests, benchmarks)")
     p.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: --model)")
@@ -258,17 +246,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         api_key, written = resolve_api_key(ns)
     except (KeyFileError, OSError) as exc:
         parser.error(str(exc))
-    options = dict(ns.option)
+    options = merge_options(ns.option)
     logger.info("starting a '%s' engine on %s", ns.backend, ns.model)
     try:
         if ns.factory:
             from rollout_engines.plugins import _import_target
             from rollout_engines.types import EngineConfig
 
-            fields = set(EngineConfig.model_fields)
-            config = EngineConfig(backend=ns.backend, model=ns.model,
-                                  **{k: v for k, v in options.items() if k in fields},
-                                  options={k: v for k, v in options.items() if k not in fields})
+            fields, backend_options = split_engine_kwargs(options)
+            config = EngineConfig(backend=ns.backend, model=ns.model, options=backend_options, **fields)
             engine = _import_target(ns.factory)(config)
         else:
             engine = create_engine(ns.backend, model=ns.model, **options)

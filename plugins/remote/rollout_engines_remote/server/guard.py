@@ -25,7 +25,7 @@ _WILDCARD_BINDS = ("", "0.0.0.0", "::")
 KNOWN_PATHS = frozenset({
     "/generate", "/generate/stream", "/abort", "/v1/completions", "/v1/chat/completions", "/v1/models", "/sleep",
     "/wake_up", "/reset_prefix_cache", "/pause", "/resume", "/weights/init", "/weights/update", "/weights/bucket",
-    "/weights/abort", "/weights/close", "/weights/version", "/info", "/health", "/metrics",
+    "/weights/abort", "/weights/close", "/weights/version", "/lora/unload", "/info", "/health", "/metrics",
 })
 #: Paths whose bodies stream through to the app (bounded by ``max_bucket_bytes``) instead of being read first.
 STREAMED_BODY_PATHS = frozenset({"/weights/bucket"})

@@ -1,10 +1,10 @@
-"""The control plane: sleep and wake, the prefix cache, pause and resume."""
+"""The control plane: sleep and wake, the prefix cache, pause and resume, unloading LoRA adapters."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
-from ...protocol import OkBody, PauseBody, SleepBody, WakeUpBody
+from ...protocol import LoraUnloadBody, LoraUnloadedBody, OkBody, PauseBody, SleepBody, WakeUpBody
 from ..state import ServerState
 
 
@@ -43,5 +43,12 @@ def router(state: ServerState) -> APIRouter:
     async def resume() -> OkBody:
         await engine.resume()
         return ok()
+
+    @r.post("/lora/unload", response_model=LoraUnloadedBody)
+    async def unload_lora(body: LoraUnloadBody) -> LoraUnloadedBody:
+        """Unload a LoRA adapter (``Engine.unload_lora``); ``unloaded`` says whether it was loaded.
+        Adapters arrive as weight updates whose manifest has ``lora`` (``/weights/update``); the
+        loaded ones and their versions are in ``/info``'s ``loras``."""
+        return LoraUnloadedBody(unloaded=await engine.unload_lora(body.name))
 
     return r

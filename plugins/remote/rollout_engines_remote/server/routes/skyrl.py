@@ -12,8 +12,10 @@ mounts ``vllm-rl`` too; add ``openai`` for its ``chat_completion``/``completion`
   (``skyrl_start_weight_update``, ``update_weights_ipc``/``update_weights_nccl``,
   ``skyrl_finish_weight_update``) mapped onto the ``vllm-rl`` phases; any other method is a 400.
 
-Not supported (400): LoRA adapters (``/skyrl/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``: the
-engine protocol has none), ``/v1/chat/completions/render`` (multimodal rendering).
+Not supported (400): loading LoRA adapters from a path (``/skyrl/v1/load_lora_adapter``,
+``/v1/unload_lora_adapter``: adapters reach an engine as weight updates, ``WeightSync.push_lora``
+through the native routes, and ``POST /lora/unload`` drops them), ``/v1/chat/completions/render``
+(multimodal rendering).
 SkyRL's client sends no API key: serve it with ``--insecure-no-auth`` on a loopback address.
 """
 
@@ -113,11 +115,12 @@ def router(state: ServerState) -> APIRouter:
 
     @r.post("/skyrl/v1/load_lora_adapter")
     async def load_lora_adapter() -> JSONResponse:
-        raise CapabilityError("LoRA adapters are not supported: the engine protocol has none; sync full weights")
+        raise CapabilityError("LoRA adapters are not loaded from paths here: push them with WeightSync.push_lora "
+                              "(native routes, /weights/update)")
 
     @r.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter() -> JSONResponse:
-        raise CapabilityError("LoRA adapters are not supported: the engine protocol has none")
+        raise CapabilityError("unload LoRA adapters with POST /lora/unload {\"name\": ...} (native routes)")
 
     @r.post("/v1/chat/completions/render")
     async def render_chat() -> JSONResponse:

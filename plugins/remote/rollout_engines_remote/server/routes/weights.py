@@ -48,7 +48,9 @@ def router(state: ServerState) -> APIRouter:
 
     @r.post("/weights/update", response_model=VersionBody)
     async def weights_update(body: WeightManifest) -> VersionBody:
-        """Receive one update described by the manifest; answers once it is applied (or rejected)."""
+        """Receive one update described by the manifest; answers once it is applied (or rejected).
+        A manifest with ``lora`` is a LoRA adapter (``WeightSync.push_lora``): the answer's
+        ``weight_version`` is then the adapter's version, and the base weights are untouched."""
         if body.transport == "disk" and any(c in body.session_id[:16] for c in "/\\\0"):
             raise FieldError("session_id", "a disk update's session_id names a folder: use letters, digits, "
                              "'-' and '_' only")
@@ -61,7 +63,8 @@ def router(state: ServerState) -> APIRouter:
             state.metrics.weight_updates.labels("failed").inc()
             raise
         state.metrics.weight_updates.labels("ok").inc()
-        state.metrics.weight_version.set(version)
+        if body.lora is None:  # a LoRA push's version is its adapter's
+            state.metrics.weight_version.set(version)
         return VersionBody(weight_version=version)
 
     @r.post("/weights/bucket", response_model=OkBody, openapi_extra=BUCKET_BODY)

@@ -1,0 +1,177 @@
+"""What every backend needs and no backend should write again: the rules that must not differ.
+
+- :class:`LoopThread`: an event loop of its own on a daemon thread. Engine libraries bind their
+  background tasks to the loop of their first call (vLLM's ``AsyncLLM``, SGLang's tokenizer
+  manager), so a backend runs every call on one such loop and callers await it from any loop.
+- :func:`validate_prompts`: the one context-window rule, ``len(prompt) + max_tokens <= max_model_len``,
+  plus empty prompts and token ids outside the vocabulary, as :class:`~.errors.InvalidRequest`.
+- :func:`finish_reason`: an engine library's finish reason as the core's ``FinishReason``.
+
+Nothing here imports an engine library, torch or numpy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from .errors import InvalidRequest
+from .types import FinishReason
+
+logger = logging.getLogger("rollout_engines.backend_kit")
+
+T = TypeVar("T")
+
+#: Finish reasons the core knows; anything else an engine reports ends as ``"abort"``.
+FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort")
+
+
+# ---- one event loop on a thread of its own ---------------------------------------------------------
+class LoopThread:
+    """An asyncio event loop running on a daemon thread named ``name``.
+
+    ``work`` is an awaitable, or a function of no arguments returning one; a function is called on
+    the loop's thread, for engine calls that must also be *made* there. Use :meth:`run` from
+    blocking code, :meth:`call` from any event loop (the loop's own included), :meth:`submit` to
+    start work without waiting. :meth:`close` stops the loop and joins the thread; it is idempotent.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (or the loop was closed some other way)."""
+        return self.loop.is_closed() or not self._thread.is_alive()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def submit(self, work: Awaitable[T] | Callable[[], Awaitable[T]]) -> Future[T]:
+        """Start ``work`` on the loop; returns a concurrent future (cancelling it cancels the work)."""
+        if self.closed:
+            _close_unawaited(work)
+            raise RuntimeError(f"event loop thread '{self.name}' is closed")
+
+        async def body() -> T:
+            return await (work() if callable(work) else work)
+
+        return asyncio.run_coroutine_threadsafe(body(), self.loop)
+
+    def run(self, work: Awaitable[T] | Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
+        """Run ``work`` on the loop and wait for its result (its exception is raised). Not from the
+        loop's own thread. Past ``timeout`` seconds the work is cancelled and ``TimeoutError`` raised."""
+        if threading.current_thread() is self._thread:
+            _close_unawaited(work)
+            raise RuntimeError(f"LoopThread.run called on '{self.name}' itself; await LoopThread.call instead")
+        future = self.submit(work)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            if future.done():  # the work's own TimeoutError
+                raise
+            future.cancel()
+            raise TimeoutError(f"work on event loop thread '{self.name}' took longer than {timeout} s") from None
+
+    async def call(self, work: Awaitable[T] | Callable[[], Awaitable[T]]) -> T:
+        """Await ``work`` on the loop from any event loop; cancelling the caller cancels the work."""
+        if asyncio.get_running_loop() is self.loop:
+            return await (work() if callable(work) else work)
+        return await asyncio.wrap_future(self.submit(work))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the loop and join its thread (waiting at most ``timeout`` seconds), then close the
+        loop. Work still pending is dropped. Called on the loop's own thread, it only stops the loop."""
+        if self.loop.is_closed():
+            return
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            if threading.current_thread() is self._thread:
+                return
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("event loop thread '%s' did not stop within %.0f s; left running", self.name, timeout)
+                return
+        self.loop.close()
+
+    def __enter__(self) -> LoopThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_unawaited(work: object) -> None:
+    """Close a coroutine that will never run, so Python does not warn that it was never awaited."""
+    if asyncio.iscoroutine(work):
+        work.close()
+
+
+# ---- prompt rules ------------------------------------------------------------------------------------
+def validate_prompts(
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_tokens: int,
+    max_model_len: int | None,
+    vocab_size: int | None = None,
+    continued: Sequence[Sequence[int] | None] | None = None,
+) -> None:
+    """Refuse prompts an engine cannot run, with :class:`~.errors.InvalidRequest` saying what to do.
+
+    Per prompt, in this order: it is not empty; every token id is in ``[0, vocab_size)`` (when the
+    backend knows ``vocab_size``); and the one context-window rule, ``len(prompt) + max_tokens <=
+    max_model_len`` (when the backend knows ``max_model_len``). ``continued`` (partial rollouts:
+    the earlier tokens each prompt continues, or None) are checked against the vocabulary too and
+    count toward the window.
+    """
+    if continued is not None and len(continued) != len(prompts):
+        raise ValueError(f"continued has {len(continued)} entries for {len(prompts)} prompts; give one per prompt")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise InvalidRequest(f"prompt {i} has no tokens; give at least one token (or some text)")
+        earlier = continued[i] if continued is not None else None
+        if vocab_size is not None:
+            _check_vocabulary(f"prompt {i}", prompt, vocab_size)
+            if earlier:
+                _check_vocabulary(f"continue_from[{i}]", earlier, vocab_size)
+        if max_model_len is None:
+            continue
+        used = len(prompt) + len(earlier or ())
+        if used + max_tokens > max_model_len:
+            parts = f"{len(prompt)} prompt tokens"
+            if earlier:
+                parts += f" + {len(earlier)} tokens it continues"
+            raise InvalidRequest(
+                f"prompt {i}: {parts} + max_tokens {max_tokens} = {used + max_tokens} exceed the context "
+                f"window of {max_model_len} tokens (max_model_len); shorten the prompt, lower max_tokens "
+                f"(at most {max(0, max_model_len - used)} here), or start the engine with a larger max_model_len"
+            )
+
+
+def _check_vocabulary(what: str, ids: Sequence[int], vocab_size: int) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):  # min/max first: one pass in C for a good prompt
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise InvalidRequest(
+            f"{what} has token id {bad} outside the model's vocabulary (size {vocab_size}); "
+            "tokenize with the model's own tokenizer"
+        )
+
+
+# ---- finish reasons ---------------------------------------------------------------------------------
+def finish_reason(reason: Any) -> FinishReason:
+    """An engine library's finish reason as the core's: ``"stop"``, ``"length"`` and ``"abort"``
+    pass through (also as SGLang's ``{"type": ...}`` dicts); anything else (None, ``"error"``, a
+    library's own kinds) is ``"abort"``: the sequence ended without reaching a stop or its length."""
+    kind = reason.get("type") if isinstance(reason, Mapping) else reason
+    for known in FINISH_REASONS:
+        if kind == known:
+            return known
+    return "abort"

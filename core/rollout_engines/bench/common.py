@@ -1,0 +1,138 @@
+"""What the benchmarks share: reading their arguments, engine options, and (for the ones that push
+weights) the weights to push and the check that a push landed."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..options import add_option_argument, merge_options
+
+#: The prefix of ``--option`` keys that go to the weight transport instead of the engine.
+TRANSPORT_PREFIX = "transport."
+
+
+def arg(args: Any, name: str, default: Any) -> Any:
+    """``args.name`` (an argparse namespace) or ``args[name]`` (a dict), ``default`` when unset."""
+    value = args.get(name) if isinstance(args, Mapping) else getattr(args, name, None)
+    return default if value is None else value
+
+
+def parse_options(args: Any) -> dict[str, Any]:
+    """The engine options of a benchmark's arguments: an ``options`` dict updated by the
+    ``--option`` items (pairs from the command line, or ``"K=V"`` strings in a dict)."""
+    return merge_options(arg(args, "option", []), base=arg(args, "options", {}))
+
+
+def split_transport_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(engine options, weight-transport options)``: ``transport.K`` keys go to the transport as ``K``."""
+    engine = {k: v for k, v in options.items() if not k.startswith(TRANSPORT_PREFIX)}
+    transport = {k.removeprefix(TRANSPORT_PREFIX): v for k, v in options.items() if k.startswith(TRANSPORT_PREFIX)}
+    return engine, transport
+
+
+def model_path(args: Any) -> str:
+    """``--model``, or the tiny test model's directory (built on first use)."""
+    model = arg(args, "model", None)
+    if model is not None:
+        return str(model)
+    from ..testing.tiny_model import tiny_model_path
+
+    return str(tiny_model_path())
+
+
+def add_push_arguments(parser: argparse.ArgumentParser, *, checksum: str) -> None:
+    """The arguments of the benchmarks that push weights into one engine (``push``, ``refit``)."""
+    parser.add_argument("--backend", default="vllm")
+    parser.add_argument("--model", default=None, help="model directory (default: the tiny test model)")
+    parser.add_argument("--transport", default=None, help="default: cuda_ipc on a GPU, shm on the CPU")
+    parser.add_argument("--bucket-mb", type=float, default=512)
+    parser.add_argument("--checksum", default=checksum, choices=["pos64", "sum64", "none"], help="per-bucket checksum")
+    add_option_argument(parser, help="engine option; 'transport.K=V' sets a weight-transport option")
+
+
+@dataclass
+class PushWeights:
+    """Where a push benchmark runs and the two weight sets it alternates between."""
+
+    gpu: bool
+    transport: str
+    device: str  #: where the trainer side holds the weights ("cuda" for cuda_ipc and nccl)
+    original: dict[str, Any]
+    changed: dict[str, Any]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.original.values())
+
+
+async def push_weights(engine: Any, model: str, transport: str | None) -> PushWeights:
+    """The engine's own weights and a perturbed copy, in its dtype, on the device ``transport``
+    sends from (default: cuda_ipc on a GPU, shm on the CPU)."""
+    import torch
+
+    from ..weights.checkpoint import load_checkpoint, perturbed
+
+    facts = await engine.diagnostics()
+    gpu = (facts.platform or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    transport = transport or ("cuda_ipc" if gpu else "shm")
+    dtype_name = facts.weights_dtype or (engine.config.dtype if engine.config.dtype != "auto" else None)
+    dtype = None
+    if dtype_name is not None:
+        from ..weights.buckets import torch_dtype
+
+        dtype = torch_dtype(dtype_name.removeprefix("torch."))
+    device = "cuda" if transport in ("cuda_ipc", "nccl") else "cpu"
+    original = {k: v.to(device) for k, v in load_checkpoint(model, dtype=dtype).items()}
+    changed = {k: v.to(device) for k, v in perturbed(load_checkpoint(model, dtype=dtype)).items()}
+    return PushWeights(gpu=gpu, transport=transport, device=device, original=original, changed=changed)
+
+
+class Fingerprint:
+    """What tells one set of weights from another: the engine's weights fingerprint
+    (``diagnostics(fingerprint=True)``) where it makes one, else its greedy tokens for ``probe``."""
+
+    def __init__(self, engine: Any, probe: Any) -> None:
+        self.engine, self.probe = engine, probe
+        self.own = False  #: whether the engine made the last fingerprint itself
+
+    async def __call__(self) -> Any:
+        weights = (await self.engine.diagnostics(fingerprint=True)).weights_fingerprint
+        self.own = weights is not None
+        if self.own:
+            return weights
+        return [c.token_ids for c in await self.engine.generate(self.probe)]
+
+    @property
+    def kind(self) -> str:
+        return "weights" if self.own else "greedy tokens"
+
+
+def memcpy_gbps(nbytes: int, device: Any, repeats: int = 5, chunk_bytes: int = 1 << 30) -> float:
+    """Copy bandwidth on ``device`` (GB/s, best of ``repeats``): ``nbytes`` copied between two
+    buffers, at most ``chunk_bytes`` each (a 30 GB state is measured without 60 GB of buffers;
+    copies of 1 GiB run at the device's full bandwidth)."""
+    import torch
+
+    device = torch.device(device)
+    size = max(1, min(nbytes, chunk_bytes))
+    src = torch.ones(size, dtype=torch.uint8, device=device)
+    dst = torch.zeros(size, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        left = nbytes
+        while left > 0:
+            n = min(left, size)
+            dst[:n].copy_(src[:n])
+            left -= n
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return nbytes / best / 1e9

@@ -1,0 +1,291 @@
+"""LoRA adapters on the vLLM backend: received like weights, served by vLLM's own LoRA layers.
+
+A push (:meth:`~rollout_engines.weights.session.WeightSync.push_lora`) reaches every worker through
+the weight-sync session's transport, as a full push does (:func:`rollout_engines.weights.lora.receive_lora`
+on each worker's receiver). Each worker checks the manifest against the base model's checkpoint
+names and the layers vLLM can adapt before it takes any bucket; a refused adapter is drained (the
+session stays in step) and raises :class:`ManifestMismatch` with nothing installed. Worker rank 0
+writes what it received as a PEFT folder (``adapter_model.safetensors`` and
+``adapter_config.json``) into the engine's private temporary directory (mode 0700); the driver then
+registers it with vLLM (``add_lora``) under a new ``lora_int_id`` and a new ``lora_name``, and only
+then retires the version it replaces. vLLM keys its adapter cache on the id and its prefix cache on
+the name and path, so two versions never share cached state.
+
+Why a folder: vLLM 0.32 can build an adapter from tensors (``LoRAModel.from_lora_tensors``), but
+its workers load an adapter from ``lora_path`` whenever it is (re)activated, after an LRU eviction
+too, so the folder must exist for as long as requests name that version. A retired version is
+removed from vLLM and its folder deleted once no running request uses it (checked at each LoRA
+push or unload, and at close).
+
+On CPU, vLLM 0.32 adds the last adapter slot's delta to base-model requests batched with LoRA
+requests; :func:`fix_cpu_no_lora_rows` corrects that in the workers before the first adapter is
+registered.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rollout_engines.errors import InvalidRequest, ManifestMismatch
+from rollout_engines.types import LoraSpec
+from rollout_engines.weights.lora import LoraTarget, receive_lora
+from rollout_engines.weights.manifest import TensorSpec, WeightManifest, manifest_to_wire
+from rollout_engines.weights.receiver import WeightReceiver
+
+logger = logging.getLogger("rollout_engines.vllm.lora")
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def unsupported_targets(spec: LoraSpec, base: Mapping[str, TensorSpec], supported: Sequence[str]) -> ManifestMismatch | None:
+    """Why ``spec`` cannot be served: it targets layers of the model that vLLM has no LoRA layer
+    for (embeddings, the LM head); None when it does not. Names the model lacks are left to
+    :func:`~rollout_engines.weights.lora.lora_problem`."""
+    present = {n.removesuffix(".weight").rsplit(".", 1)[-1] for n in base}
+    unsupported = sorted((set(spec.target_modules) & present) - set(supported))
+    if not unsupported:
+        return None
+    return ManifestMismatch(
+        f"LoRA adapter '{spec.name}' targets {unsupported}, which vLLM cannot serve LoRA on for this model; "
+        f"target some of {sorted(supported)}"
+    )
+
+
+def adapter_config(spec: LoraSpec, base_model: str) -> dict[str, Any]:
+    """PEFT's ``adapter_config.json`` for ``spec`` (what vLLM's PEFTHelper reads)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "target_modules": list(spec.target_modules),
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }
+
+
+def write_peft_folder(path: str | Path, spec: LoraSpec, tensors: Mapping[str, torch.Tensor], base_model: str) -> None:
+    """Write a PEFT adapter folder at ``path`` atomically (a sibling is written, then renamed)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(mode=0o700)
+    try:
+        host = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+        save_file(host, str(partial / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (partial / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(spec, base_model), indent=1))
+        os.replace(partial, path)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+# ---- worker side (inside each vLLM worker, called through the worker extension) -----------------------
+def _no_lora_rows_leak() -> bool:
+    """Whether vLLM's PyTorch LoRA ops (the CPU path) apply an adapter to rows marked "no LoRA"
+    (index -1): they index the stacked adapters with it, which selects the last slot."""
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    out = torch.zeros(1, 1)
+    lora_ops.bgmv_shrink(torch.ones(1, 1), torch.ones(1, 1, 1, 1), out, torch.tensor([-1]), 1.0)
+    return bool(out.abs().sum() != 0)
+
+
+def _skipping_no_lora_rows(op: Any) -> Any:
+    """``op`` (a bgmv op: inputs, weights, output, indices, ...) with the inputs of rows whose index
+    is -1 zeroed and the index clamped: those rows get exactly nothing added."""
+
+    def wrapped(inputs: torch.Tensor, weights: torch.Tensor, output: torch.Tensor, indices: torch.Tensor,
+                *args: Any, **kwargs: Any) -> Any:
+        skip = indices < 0
+        if bool(skip.any()):
+            inputs = inputs.masked_fill(skip.view(-1, *([1] * (inputs.dim() - 1))), 0)
+            indices = indices.clamp(min=0)
+        return op(inputs, weights, output, indices, *args, **kwargs)
+
+    wrapped.roe_skips_no_lora_rows = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def fix_cpu_no_lora_rows() -> bool:
+    """Make base-model requests batched with LoRA requests get base outputs on vLLM's CPU path.
+
+    vLLM 0.32's PyTorch bgmv ops (used by ``PunicaWrapperCPU``) gather ``weights[indices]`` with
+    the no-LoRA index -1, which adds the last adapter slot's delta to base-model rows (vllm#48421,
+    unmerged at 0.32). Patched here, in the worker, only where that happens; returns whether it did."""
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    if getattr(lora_ops.bgmv_shrink, "roe_skips_no_lora_rows", False) or not _no_lora_rows_leak():
+        return False
+    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+        fixed = _skipping_no_lora_rows(getattr(lora_ops, name))
+        setattr(lora_ops, name, fixed)  # the sgmv (prefill) ops call these module globals
+        if hasattr(punica_cpu, name):
+            setattr(punica_cpu, name, fixed)
+    logger.info("vLLM's CPU LoRA ops patched so that base-model rows skip the adapters (vllm#48421)")
+    return True
+
+
+def worker_lora_setup(worker: Any) -> None:
+    """Prepare a worker for LoRA requests: on CPU, the fix above."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        fix_cpu_no_lora_rows()
+
+
+def receive_adapter(receiver: WeightReceiver, manifest: WeightManifest, base: Mapping[str, TensorSpec],
+                    supported: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Receive a LoRA push through a worker's receiver (:func:`~rollout_engines.weights.lora.receive_lora`),
+    checked against the base model's layers that vLLM can adapt. A refused push is drained before
+    :class:`ManifestMismatch` is raised, so the session stays in step; the model is not touched."""
+    spec = manifest.lora
+    assert spec is not None
+    problem = unsupported_targets(spec, base, supported)
+    if problem is not None:
+        receiver.receive_side(manifest, LoraTarget({}), rejection=problem)
+        raise problem  # receive_side raises it already, once the stream is drained
+    wanted = set(supported)
+    adaptable = {n: t for n, t in base.items() if n.removesuffix(".weight").rsplit(".", 1)[-1] in wanted}
+    return receive_lora(receiver, manifest, adaptable)
+
+
+def worker_lora_modules(worker: Any) -> list[str]:
+    """The module names an adapter may target in this worker's model: vLLM's LoRA-wrapped modules,
+    packed ones (``qkv_proj``) as their checkpoint parts (``q_proj``, ``k_proj``, ``v_proj``)."""
+    manager = getattr(worker.model_runner, "lora_manager", None)
+    adapters = getattr(manager, "_adapter_manager", None)
+    if adapters is None:
+        return []
+    packed = dict(getattr(adapters, "packed_modules_mapping", {}) or {})
+    names: list[str] = []
+    for module in adapters.supported_lora_modules:
+        if module == "experts":
+            continue  # fused MoE experts: not a per-module PEFT target
+        names.extend(packed.get(module, [module]))
+    return sorted(set(names))
+
+
+# ---- driver side -----------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class LoadedLora:
+    """One version of an adapter registered with vLLM."""
+
+    name: str
+    version: int
+    request: Any  # vllm.lora.request.LoRARequest
+    path: Path
+
+
+class VllmLoras:
+    """The adapters of one :class:`~rollout_engines_vllm.engine.VllmEngine`: receive, register with
+    vLLM, select per request, retire."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        #: Private to this engine (mkdtemp: mode 0700); removed at close, or at exit at the latest.
+        self._dir = tempfile.TemporaryDirectory(prefix="roe-vllm-lora-")
+        self.root = Path(self._dir.name)
+        self.active: dict[str, LoadedLora] = {}
+        self._retired: list[LoadedLora] = []
+        self._next_id = 1
+        self._ready = False
+
+    # -- selection (under the engine's request lock, so a retire sees every request that chose a version)
+    def select(self, name: str) -> LoadedLora:
+        loaded = self.active.get(name)
+        if loaded is None:
+            raise InvalidRequest(f"LoRA adapter '{name}' is not loaded (loaded: {sorted(self.active) or 'none'})")
+        return loaded
+
+    def _in_use(self) -> set[int]:
+        engine = self._engine
+        with engine._seqs_lock:
+            return {id(q.lora) for q in engine._seqs.values() if q.lora is not None}
+
+    # -- receive
+    async def setup(self) -> None:
+        """Prepare the workers, once, before the first adapter is registered with vLLM (so before
+        any LoRA request can run)."""
+        if not self._ready:
+            await self._engine._rpc("roe_lora_setup")
+            self._ready = True
+
+    async def receive(self, manifest: WeightManifest) -> None:
+        from vllm.lora.request import LoRARequest
+
+        from .worker_ext import raise_worker_error
+
+        spec = manifest.lora
+        assert spec is not None
+        await self.setup()
+        lora_id, self._next_id = self._next_id, self._next_id + 1
+        key = f"{spec.name}-v{manifest.version}-{lora_id}"
+        path = self.root / key
+        what = f"LoRA '{spec.name}' v{manifest.version}"
+        timeout = manifest.timeout_s * (len(manifest.buckets) + 2)
+        results = await self._engine._rpc("roe_receive_lora", manifest_to_wire(manifest), str(path), timeout=timeout)
+        try:
+            raise_worker_error(results, what)
+            if not (path / ADAPTER_WEIGHTS).is_file():
+                raise ManifestMismatch(f"{what}: no worker wrote the adapter folder")
+            request = LoRARequest(lora_name=key, lora_int_id=lora_id, lora_path=str(path))
+            llm = self._engine.async_llm
+            try:
+                await self._engine._on_loop(lambda: llm.add_lora(request))
+            except Exception as exc:
+                raise ManifestMismatch(f"vLLM refused {what}: {exc}") from exc
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        loaded = LoadedLora(spec.name, manifest.version, request, path)
+        with self._engine._seqs_lock:
+            old = self.active.get(spec.name)
+            self.active[spec.name] = loaded
+        if old is not None:
+            self._retired.append(old)
+        await self.sweep()
+        logger.info("LoRA '%s' v%d installed (vLLM id %d)", spec.name, manifest.version, lora_id)
+
+    async def unload(self, name: str) -> None:
+        with self._engine._seqs_lock:
+            old = self.active.pop(name, None)
+        if old is not None:
+            self._retired.append(old)
+        await self.sweep()
+
+    async def sweep(self) -> None:
+        """Remove retired versions that no running request uses from vLLM, and their folders."""
+        in_use = self._in_use()
+        llm = self._engine.async_llm
+        for old in [r for r in self._retired if id(r) not in in_use]:
+            self._retired.remove(old)
+            if llm is not None:
+                try:
+                    await self._engine._on_loop(lambda old=old: llm.remove_lora(old.request.lora_int_id))
+                except Exception:  # vLLM's LRU cache evicts it in time; the folder goes regardless
+                    logger.warning("vLLM could not remove LoRA '%s' v%d", old.name, old.version, exc_info=True)
+            shutil.rmtree(old.path, ignore_errors=True)
+
+    def close(self) -> None:
+        self.active.clear()
+        self._retired.clear()
+        self._dir.cleanup()
