@@ -26,7 +26,8 @@ from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 class RecordingEngine(Engine):
     backend_name = "recording"
     capabilities = Capabilities(
-        logprobs=False, stop_strings=False, seed=False, sleep_levels=(1,), sleep_tags=("weights", "kv_cache"),
+        chat=True, n=True, pause=True, prefix_cache=True, weights_kept_on_sleep=True,
+        sleep_levels=(1,), sleep_tags=("weights", "kv_cache"),
         pause_modes=("abort", "keep"), streaming=True, abort=True, transports=("gloo",), lora=8, max_loras=2,
     )
 

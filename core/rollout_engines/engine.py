@@ -56,24 +56,26 @@ T = TypeVar("T")
 
 
 class Capabilities(BaseModel):
-    """What a backend can do, declared up front (never discovered by trial)."""
+    """What a backend can do, declared up front (never discovered by trial). Every default is the
+    conservative one (off, empty, zero) but ``generate``: a backend declares what it has, so a
+    minimal backend never claims what it cannot do."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     generate: bool = True
-    chat: bool = True
-    logprobs: bool = True
-    n: bool = True
-    stop_strings: bool = True
-    seed: bool = True
+    chat: bool = False
+    logprobs: bool = False
+    n: bool = False
+    stop_strings: bool = False
+    seed: bool = False
     sleep_levels: tuple[int, ...] = Field(default=(), description="Empty: sleep is not supported.")
     sleep_tags: tuple[str, ...] = ()
     weights_kept_on_sleep: bool = Field(
-        default=True,
+        default=False,
         description="False: waking the 'weights' tag restores memory, not values; a push must follow "
         "before generation (SGLang releases weights; vLLM sleep level 2 discards them).",
     )
-    pause: bool = True
+    pause: bool = False
     pause_modes: tuple[PauseMode, ...] = Field(
         default=(), description="Modes of pause() beyond the plain 'wait' that 'pause' grants."
     )
@@ -84,7 +86,7 @@ class Capabilities(BaseModel):
     continuation: bool = Field(default=False, description="GenerateRequest.continue_from is served.")
     lora: int = Field(default=0, ge=0, description="Largest LoRA rank served; 0: no LoRA adapters.")
     max_loras: int = Field(default=0, ge=0, description="Adapters loaded at once (0: no LoRA).")
-    prefix_cache: bool = True
+    prefix_cache: bool = False
     transports: tuple[str, ...] = ()
     tensor_parallel: bool = False
     multi_process: bool = Field(default=False, description="Workers run outside the caller's process.")

@@ -36,7 +36,8 @@ class _Bias(torch.nn.Module):
 class EchoEngine(Engine):
     backend_name = "echo"
     capabilities = Capabilities(
-        sleep_levels=(1,), sleep_tags=("weights", "kv_cache"), transports=("inproc", "disk"), stop_strings=False,
+        chat=True, logprobs=True, n=True, seed=True, pause=True, prefix_cache=True, weights_kept_on_sleep=True,
+        sleep_levels=(1,), sleep_tags=("weights", "kv_cache"), transports=("inproc", "disk"),
     )
 
     def __init__(self, name: str = "echo", *, delay_s: float = 0.0, workers: int = 1) -> None:

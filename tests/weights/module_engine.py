@@ -35,9 +35,7 @@ def make_model(seed: int = 0) -> Bigram:
 
 class ModuleEngine(Engine):
     backend_name = "module"
-    capabilities = Capabilities(
-        chat=False, logprobs=False, n=False, stop_strings=False, transports=("inproc", "gloo", "shm", "disk"),
-    )
+    capabilities = Capabilities(seed=True, pause=True, prefix_cache=True, transports=("inproc", "gloo", "shm", "disk"))
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

@@ -108,9 +108,7 @@ class BenchReceiverEngine(Engine):
     """The benchmark's receiver: an engine with nothing but a weight receiver (no generation)."""
 
     backend_name = "bench-receiver"
-    capabilities = Capabilities(
-        generate=False, chat=False, transports=("inproc", "gloo", "nccl", "shm", "disk", "cuda_ipc")
-    )
+    capabilities = Capabilities(generate=False, transports=("inproc", "gloo", "nccl", "shm", "disk", "cuda_ipc"))
 
     def __init__(self, config: EngineConfig) -> None:
         from ..weights.receiver import WeightReceiver

@@ -24,7 +24,10 @@ _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bf
 
 class HFGenerateEngine(Engine):
     backend_name = "hfgenerate"
-    capabilities = Capabilities(transports=("inproc", "shm", "gloo", "disk"), prefix_cache=False)
+    capabilities = Capabilities(
+        chat=True, logprobs=True, n=True, stop_strings=True, seed=True, pause=True,
+        transports=("inproc", "shm", "gloo", "disk"),
+    )
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

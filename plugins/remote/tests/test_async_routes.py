@@ -44,7 +44,7 @@ class ScriptedEngine(Engine):
 
     backend_name = "scripted"
     capabilities = Capabilities(streaming=True, abort=True, pause_modes=("abort", "keep"), top_logprobs=5,
-                                prompt_logprobs=True, chat=False, stop_strings=False, prefix_cache=False)
+                                prompt_logprobs=True, logprobs=True, n=True, seed=True, pause=True)
 
     def __init__(self, config: EngineConfig, step_s: float = 0.02) -> None:
         super().__init__(config)

@@ -236,6 +236,7 @@ class VllmEngine(Engine):
     backend_name: ClassVar[str] = "vllm"
     #: Declared for listings; each instance replaces it with its platform's (see _capabilities_for).
     capabilities = Capabilities(
+        chat=True, logprobs=True, n=True, stop_strings=True, seed=True, pause=True, prefix_cache=True,
         transports=CPU_TRANSPORTS, tensor_parallel=True, multi_process=True, pause_modes=("abort", "wait", "keep"),
         streaming=True, abort=True, top_logprobs=MAX_LOGPROBS, prompt_logprobs=True, continuation=True,
     )
@@ -346,6 +347,7 @@ class VllmEngine(Engine):
     @staticmethod
     def _capabilities_for(platform: str, sleep_mode: bool) -> Capabilities:
         return Capabilities(
+            chat=True, logprobs=True, n=True, stop_strings=True, seed=True, pause=True, prefix_cache=True,
             sleep_levels=(1, 2) if sleep_mode else (),
             sleep_tags=("weights", "kv_cache") if sleep_mode else (),
             weights_kept_on_sleep=True,  # level 1 offloads them; level 2 is handled by the base class

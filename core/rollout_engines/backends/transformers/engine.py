@@ -217,6 +217,11 @@ class TransformersEngine(Engine):
 
     backend_name: ClassVar[str] = "transformers"
     capabilities = Capabilities(
+        chat=True,
+        logprobs=True,
+        n=True,
+        stop_strings=True,
+        seed=True,
         sleep_levels=(1, 2),
         sleep_tags=("weights", "kv_cache"),
         weights_kept_on_sleep=True,

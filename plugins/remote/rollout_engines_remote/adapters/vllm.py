@@ -80,6 +80,7 @@ class VllmServerAdapter(ServerAdapter):
             transports = CUDA_TRANSPORTS if device.startswith("cuda") else CPU_TRANSPORTS
         sleep = self.dev_mode is not None and bool(self.dev_mode.get("sleep_mode")) and device.startswith("cuda")
         self.capabilities = Capabilities(
+            chat=True, logprobs=True, n=True, stop_strings=True, seed=True, weights_kept_on_sleep=True,
             sleep_levels=(1, 2) if sleep else (), sleep_tags=("weights", "kv_cache") if sleep else (),
             pause=self.dev_mode is not None, prefix_cache=True, transports=transports,
             tensor_parallel=len(workers) > 1, multi_process=True,
