@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from rollout_engines import BackendSpec, hookimpl
+from rollout_engines import BackendEntry, hookimpl
 from rollout_engines.envs import RAY_NOSET, RayBundle, setup_device_env
 from rollout_engines.plugins import Registry, reset_registry
 
@@ -23,7 +23,7 @@ def placed_env(bundle: RayBundle) -> dict[str, str]:
 class _PlacedPlugin:
     @hookimpl
     def register_backends(self, register):
-        register(BackendSpec(name="placed", target="placed_lib:Engine", install_hint="-",
+        register(BackendEntry(name="placed", target="placed_lib:Engine", install_hint="-",
                              ray_bundle_env=f"{__name__}:placed_env"))
 
 

@@ -3,7 +3,7 @@
 1. Benchmarks are clients. No module of the core (but the ``bench`` package itself and
    ``testing``) and no module of a plugin (but its own ``bench`` module) imports benchmark code:
    ``rollout_engines.bench``, a plugin's ``bench`` module, or the ``benchmarks/`` scripts. A
-   backend's direct baseline is named by a string in its ``BackendSpec`` and imported by the
+   backend's direct baseline is named by a string in its ``BackendEntry`` and imported by the
    benchmark alone.
 2. No two files of the core import each other. Imports inside functions count (a lazy import
    still makes the two modules one unit), ``if TYPE_CHECKING:`` imports do not (they never run).

@@ -1,5 +1,5 @@
 """The pytest plugin installs nothing process-wide (no signal handler) unless a collected test is
-marked with a backend whose ``BackendSpec.main_thread_setup`` asks for it; then it runs once, on
+marked with a backend whose ``BackendEntry.main_thread_setup`` asks for it; then it runs once, on
 the main thread. Run in a child pytest, with a fixture plugin (fake dist-info) on its path."""
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from .errors import (
 )
 from .factory import acreate_engine, create_engine
 from .hookspecs import hookimpl
-from .plugins import BackendSpec, TransportEntry, get_registry
+from .plugins import get_registry
+from .spec import BackendEntry, BackendSpec, TransportEntry
 from .types import (
     ChatMessage,
     Completion,
@@ -66,7 +67,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BackendLoadError", "BackendNotInstalled", "BackendSpec", "BlockingEngine", "Capabilities",
+    "BackendEntry", "BackendLoadError", "BackendNotInstalled", "BackendSpec", "BlockingEngine", "Capabilities",
     "CapabilityError", "ChatMessage", "Completion", "DuplicateBackend", "Engine", "EngineAsleep", "EngineProtocol",
     "EngineClosed", "EngineConfig", "EngineGroup", "EngineInfo", "EngineUnavailable", "ExpectedSpec",
     "GenerateRequest", "InvalidRequest", "LoraSpec", "ManifestMismatch", "RolloutEnginesError", "SamplingParams",

@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .hookspecs import hookimpl
-from .plugins import BackendSpec, TransportEntry, install_hint
+from .plugins import BackendEntry, TransportEntry, install_hint
 
 _T = "rollout_engines.weights.transports"
 
 
 @hookimpl
-def register_backends(register: Callable[[BackendSpec], None]) -> None:
+def register_backends(register: Callable[[BackendEntry], None]) -> None:
     register(
-        BackendSpec(
+        BackendEntry(
             name="transformers",
             target="rollout_engines.backends.transformers.engine:TransformersEngine",
             install_hint=install_hint(),

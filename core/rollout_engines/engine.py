@@ -22,8 +22,6 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from .backend_kit import LoopThread
 from .errors import (
     CapabilityError,
@@ -35,6 +33,7 @@ from .errors import (
     WeightsInvalidated,
     WeightSyncError,
 )
+from .spec import Capabilities
 from .types import (
     Completion,
     Diagnostics,
@@ -53,46 +52,6 @@ SLEEP_TAGS = ("weights", "kv_cache")
 #: Seconds a weight-sync join may take beyond its spec's timeout before it is given up.
 INIT_GRACE_S = 10.0
 T = TypeVar("T")
-
-
-class Capabilities(BaseModel):
-    """What a backend can do, declared up front (never discovered by trial). Every default is the
-    conservative one (off, empty, zero) but ``generate``: a backend declares what it has, so a
-    minimal backend never claims what it cannot do."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    generate: bool = True
-    chat: bool = False
-    logprobs: bool = False
-    n: bool = False
-    stop_strings: bool = False
-    seed: bool = False
-    sleep_levels: tuple[int, ...] = Field(default=(), description="Empty: sleep is not supported.")
-    sleep_tags: tuple[str, ...] = ()
-    weights_kept_on_sleep: bool = Field(
-        default=False,
-        description="False: waking the 'weights' tag restores memory, not values; a push must follow "
-        "before generation (SGLang releases weights; vLLM sleep level 2 discards them).",
-    )
-    pause: bool = False
-    pause_modes: tuple[PauseMode, ...] = Field(
-        default=(), description="Modes of pause() beyond the plain 'wait' that 'pause' grants."
-    )
-    streaming: bool = Field(default=False, description="stream() yields tokens as they are made.")
-    abort: bool = Field(default=False, description="abort(request_ids) ends running requests early.")
-    top_logprobs: int = Field(default=0, ge=0, description="Largest SamplingParams.top_logprobs served.")
-    prompt_logprobs: bool = False
-    continuation: bool = Field(default=False, description="GenerateRequest.continue_from is served.")
-    lora: int = Field(default=0, ge=0, description="Largest LoRA rank served; 0: no LoRA adapters.")
-    max_loras: int = Field(default=0, ge=0, description="Adapters loaded at once (0: no LoRA).")
-    prefix_cache: bool = False
-    transports: tuple[str, ...] = ()
-    tensor_parallel: bool = False
-    multi_process: bool = Field(default=False, description="Workers run outside the caller's process.")
-
-    def supports_sleep(self) -> bool:
-        return bool(self.sleep_levels)
 
 
 def require(capabilities: Capabilities, flag: str, backend: str, what: str) -> None:

@@ -15,7 +15,7 @@ The rules:
   * workers started through Ray (``executor="ray"``, vLLM's Ray executor) must see every GPU of
     the node, so ``CUDA_VISIBLE_DEVICES`` is removed and the bundle indices and GPUs per worker
     are handed to the engine library in the variables it reads, which the backend names through
-    its ``BackendSpec.ray_bundle_env`` (vLLM: ``VLLM_RAY_BUNDLE_INDICES`` /
+    its ``BackendEntry.ray_bundle_env`` (vLLM: ``VLLM_RAY_BUNDLE_INDICES`` /
     ``VLLM_RAY_PER_WORKER_GPUS``); the core knows no engine library's variables;
   * workers started by the engine itself (``executor="mp"`` or a single worker) see only the
     GPUs Ray assigned to the actor (``ray_bundle.gpu_ids``, from ``ray.get_gpu_ids()``).
@@ -58,7 +58,7 @@ class RayBundle(BaseModel):
 
 def _ray_bundle_env(backend: str, bundle: RayBundle) -> dict[str, str]:
     """The engine library's own variables for workers it starts through Ray, from the backend's
-    ``BackendSpec.ray_bundle_env`` (none where the backend is not installed or names none)."""
+    ``BackendEntry.ray_bundle_env`` (none where the backend is not installed or names none)."""
     from .plugins import get_registry
 
     record = get_registry().backends.get(backend)

@@ -1,11 +1,11 @@
 """Pluggy hook specifications. A plugin is a module (named by an entry point in the group
 ``rollout_engines``) with functions marked ``@hookimpl``::
 
-    from rollout_engines import hookimpl, BackendSpec
+    from rollout_engines import hookimpl, BackendEntry
 
     @hookimpl
     def register_backends(register):
-        register(BackendSpec(name="mybackend", target="my_pkg.engine:MyEngine",
+        register(BackendEntry(name="mybackend", target="my_pkg.engine:MyEngine",
                              install_hint='pip install "rollout-engines-mybackend"'))
 
 Registration must be cheap and import no engine library: the class named by ``target`` is
@@ -21,7 +21,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from .engine import EngineProtocol
-    from .plugins import BackendSpec, TransportEntry
+    from .plugins import BackendEntry, TransportEntry
     from .weights.manifest import WeightManifest
 
 PROJECT = "rollout_engines"
@@ -37,8 +37,8 @@ def hookimpl(function: F) -> F:
 
 
 @_spec
-def register_backends(register: Callable[[BackendSpec], None]) -> None:
-    """Call ``register(BackendSpec(...))`` once per backend this plugin provides."""
+def register_backends(register: Callable[[BackendEntry], None]) -> None:
+    """Call ``register(BackendEntry(...))`` once per backend this plugin provides."""
 
 
 @_spec

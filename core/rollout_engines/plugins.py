@@ -39,10 +39,11 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 import pluggy
-from pydantic import BaseModel, ConfigDict, Field
 
 from . import hookspecs
 from .errors import BackendLoadError, BackendNotInstalled, DuplicateBackend, UnknownBackend, UnknownTransport
+from .spec import BackendEntry, BackendSpec, TransportEntry  # noqa: F401  (BackendSpec: the former name)
+from .spec import import_target as _import_target
 
 logger = logging.getLogger("rollout_engines.plugins")
 
@@ -51,66 +52,6 @@ ENV_DENY = "ROLLOUT_ENGINES_PLUGINS_DENY"
 ENV_ALLOW = "ROLLOUT_ENGINES_PLUGINS_ALLOW"
 ENV_STRICT = "ROLLOUT_ENGINES_STRICT_PLUGINS"
 CORE_ENTRY_POINT = "core"
-
-
-class BackendSpec(BaseModel):
-    """A backend as registered: cheap metadata plus the dotted path of its engine class."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str = Field(pattern=r"^[a-z][a-z0-9_\-]*$")
-    target: str = Field(description="'package.module:EngineClass', imported on first use.")
-    install_hint: str
-    requires: tuple[str, ...] = Field(default=(), description="Modules that must be importable.")
-    capabilities: dict[str, Any] = Field(default_factory=dict, description="Declared, for listings.")
-    description: str = ""
-    generate_baseline: str | None = Field(
-        default=None,
-        description="'package.module:function' that runs `rollout-engines bench generate` against the "
-        "backend's own API (function(GenerateArgs) -> dict, see rollout_engines.bench.generate); imported "
-        "only by the benchmark. None: the benchmark reports this library's side alone.",
-    )
-    ray_bundle_env: str | None = Field(
-        default=None,
-        description="'package.module:function' of a RayBundle returning the environment variables the "
-        "engine library reads to place workers it starts through Ray (vLLM: VLLM_RAY_BUNDLE_INDICES, "
-        "VLLM_RAY_PER_WORKER_GPUS); used by rollout_engines.envs.setup_device_env. Must import no engine library.",
-    )
-    main_thread_setup: str | None = Field(
-        default=None,
-        description="'package.module:function' of no arguments, to call on the main thread of a process "
-        "that will create engines of this backend from other threads (SGLang: its SIGQUIT guard, a signal "
-        "handler only the main thread can install). The pytest plugin calls it for tests marked with the "
-        "backend; None: nothing to do. Must import no engine library.",
-    )
-
-    def load_generate_baseline(self) -> Any:
-        """The :attr:`generate_baseline` function, or None where the backend has none."""
-        return None if self.generate_baseline is None else _import_target(self.generate_baseline)
-
-    def load_ray_bundle_env(self) -> Any:
-        """The :attr:`ray_bundle_env` function, or None where the backend has none."""
-        return None if self.ray_bundle_env is None else _import_target(self.ray_bundle_env)
-
-    def load_main_thread_setup(self) -> Any:
-        """The :attr:`main_thread_setup` function, or None where the backend has none."""
-        return None if self.main_thread_setup is None else _import_target(self.main_thread_setup)
-
-
-class TransportEntry(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str = Field(pattern=r"^[a-z][a-z0-9_\-]*$")
-    sender: str = Field(description="'package.module:SenderClass'")
-    receiver: str = Field(description="'package.module:ReceiverClass'")
-    devices: tuple[str, ...] = ("cpu",)
-    description: str = ""
-
-    def load_sender(self) -> Any:
-        return _import_target(self.sender)
-
-    def load_receiver(self) -> Any:
-        return _import_target(self.receiver)
 
 
 #: First-party backends known even when their plugin is not installed: name -> the extras of
@@ -185,7 +126,7 @@ def first_party_hint(name: str) -> str:
 
 @dataclass
 class BackendRecord:
-    spec: BackendSpec | None
+    spec: BackendEntry | None
     name: str
     distribution: str | None = None
     version: str | None = None
@@ -221,14 +162,6 @@ class PluginFailure:
     entry_point: str
     distribution: str | None
     error: str
-
-
-def _import_target(target: str) -> Any:
-    module, _, attr = target.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split(".") if attr else []:
-        obj = getattr(obj, part)
-    return obj
 
 
 def _env_list(name: str) -> set[str] | None:
@@ -352,9 +285,9 @@ class Registry:
             "(set %s=1 to raise)", entry_point, dist or "?", error, ENV_STRICT,
         )
 
-    def _add_backend(self, spec: BackendSpec, dist: str | None, version: str | None) -> None:
-        if not isinstance(spec, BackendSpec):
-            raise TypeError(f"register_backends must pass BackendSpec objects, got {type(spec).__name__}")
+    def _add_backend(self, spec: BackendEntry, dist: str | None, version: str | None) -> None:
+        if not isinstance(spec, BackendEntry):
+            raise TypeError(f"register_backends must pass BackendEntry objects, got {type(spec).__name__}")
         existing = self.backends.get(spec.name)
         if existing is not None and existing.spec is not None:
             if existing.distribution == dist:
@@ -389,7 +322,7 @@ class Registry:
             out.setdefault(name, BackendRecord(spec=None, name=name))
         return [out[k] for k in sorted(out)]
 
-    def backend(self, name: str) -> BackendSpec:
+    def backend(self, name: str) -> BackendEntry:
         """The spec of an installed backend, or the typed error that says what to do."""
         record = self.backends.get(name)
         if record is None:

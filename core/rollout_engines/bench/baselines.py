@@ -1,5 +1,5 @@
 """Direct baselines of the core's own backends for ``rollout-engines bench generate`` (registered as
-:attr:`~rollout_engines.plugins.BackendSpec.generate_baseline`; plugins register theirs).
+:attr:`~rollout_engines.plugins.BackendEntry.generate_baseline`; plugins register theirs).
 
 ``transformers``: the engine against transformers' own ``model.generate`` on the same model object
 and the same batch, in one run. Rounds alternate so load from other processes hits both sides

@@ -2,7 +2,7 @@
 library against the same batch run directly on the backend's own API, in one run.
 
 A backend provides the direct side by registering a ``generate_baseline`` with its
-:class:`~rollout_engines.plugins.BackendSpec` (``"package.module:function"``, a function of
+:class:`~rollout_engines.plugins.BackendEntry` (``"package.module:function"``, a function of
 :class:`GenerateArgs` returning the result dict; transformers: ``model.generate`` on the same
 model object; vLLM: raw ``AsyncLLM``; remote: the same backend in-process). Without one, the
 engine's own throughput is reported and ``ratio`` is null.

@@ -8,7 +8,7 @@ tests a rollout-engines backend, ours or a third party's.
 - ``--backend NAME`` (repeatable) keeps only tests of those backends (unmarked tests still run).
 - Fixtures: ``tiny_model`` (path of the locally built tiny model).
 - Nothing process-wide is installed (no signal handler) unless a collected test is marked with a
-  backend whose ``BackendSpec.main_thread_setup`` asks for it; that runs once, on the main thread.
+  backend whose ``BackendEntry.main_thread_setup`` asks for it; that runs once, on the main thread.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 from collections.abc import Callable
 
-from rollout_engines import BackendSpec, hookimpl
+from rollout_engines import BackendEntry, hookimpl
 
 
 @hookimpl
-def register_backends(register: Callable[[BackendSpec], None]) -> None:
+def register_backends(register: Callable[[BackendEntry], None]) -> None:
     register(
-        BackendSpec(
+        BackendEntry(
             name="hfgenerate",
             target="roe_hfgenerate.engine:HFGenerateEngine",
             install_hint='pip install "rollout-engines-hfgenerate"',

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rollout_engines import BackendSpec, TransportEntry, hookimpl
+from rollout_engines import BackendEntry, TransportEntry, hookimpl
 from rollout_engines.plugins import first_party_hint
 
 
 @hookimpl
-def register_backends(register: Callable[[BackendSpec], None]) -> None:
+def register_backends(register: Callable[[BackendEntry], None]) -> None:
     register(
-        BackendSpec(
+        BackendEntry(
             name="remote",
             target="rollout_engines_remote.client:RemoteEngine",
             install_hint=first_party_hint("remote"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rollout_engines import BackendSpec, TransportEntry, hookimpl
+from rollout_engines import BackendEntry, TransportEntry, hookimpl
 from rollout_engines.plugins import first_party_hint
 
 #: Right for where the core was installed from (an index, or a checkout's plugins/sglang).
@@ -42,9 +42,9 @@ DEFAULT_CAPABILITIES: dict[str, Any] = {
 
 
 @hookimpl
-def register_backends(register: Callable[[BackendSpec], None]) -> None:
+def register_backends(register: Callable[[BackendEntry], None]) -> None:
     register(
-        BackendSpec(
+        BackendEntry(
             name="sglang",
             target="rollout_engines_sglang.engine:SglangEngine",
             install_hint=INSTALL_HINT,

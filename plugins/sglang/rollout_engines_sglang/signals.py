@@ -6,7 +6,7 @@ process: either way a trainer hosting the engine dies with it. The engine starts
 main thread (so SGLang installs nothing) and registers a callback here instead.
 
 Only the main thread can install a signal handler. :func:`install_child_failure_guard` is the
-backend's ``main_thread_setup`` (see its ``BackendSpec``): a host that will create SGLang engines
+backend's ``main_thread_setup`` (see its ``BackendEntry``): a host that will create SGLang engines
 from other threads (a test harness's loop thread) calls it on the main thread first; the pytest
 plugin does so for tests marked ``sglang``. Nothing is installed in a process that never asks.
 """

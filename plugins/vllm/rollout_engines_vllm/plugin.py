@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from rollout_engines import BackendSpec, hookimpl
+from rollout_engines import BackendEntry, hookimpl
 from rollout_engines.plugins import first_party_hint
 
 if TYPE_CHECKING:
@@ -38,9 +38,9 @@ def ray_bundle_env(bundle: RayBundle) -> dict[str, str]:
 
 
 @hookimpl
-def register_backends(register: Callable[[BackendSpec], None]) -> None:
+def register_backends(register: Callable[[BackendEntry], None]) -> None:
     register(
-        BackendSpec(
+        BackendEntry(
             name="vllm",
             target="rollout_engines_vllm.engine:VllmEngine",
             install_hint=INSTALL_HINT,

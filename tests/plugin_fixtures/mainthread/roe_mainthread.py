@@ -3,7 +3,7 @@ used by the pytest-plugin tests (loaded from a fake dist-info)."""
 import signal
 import threading
 
-from rollout_engines import BackendSpec, hookimpl
+from rollout_engines import BackendEntry, hookimpl
 
 
 def _on_usr2(signum, frame):
@@ -18,5 +18,5 @@ def install():
 
 @hookimpl
 def register_backends(register):
-    register(BackendSpec(name="mainthread", target="rollout_engines.backends.transformers.engine:TransformersEngine",
+    register(BackendEntry(name="mainthread", target="rollout_engines.backends.transformers.engine:TransformersEngine",
                          install_hint='pip install "roe-mainthread"', main_thread_setup="roe_mainthread:install"))
