@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from .errors import InvalidRequest
-from .types import FinishReason
+from .types import FinishReason, GenerateRequest
 
 logger = logging.getLogger("rollout_engines.backend_kit")
 
@@ -175,3 +175,24 @@ def finish_reason(reason: Any) -> FinishReason:
         if kind == known:
             return known
     return "abort"
+
+
+def check_continuations(request: GenerateRequest) -> None:
+    """Refuse ``request.continue_from`` entries the continued completions could not be built from:
+    logprobs (or top logprobs) asked for but missing for some earlier token, or per-token weight
+    versions of the wrong length. :class:`~.errors.InvalidRequest` says what to send instead."""
+    s = request.sampling
+    for i, prior in enumerate(request.continue_from or ()):
+        ids = prior.token_ids
+        if s.logprobs is not None and ids and (prior.logprobs is None or len(prior.logprobs) != len(ids)):
+            raise InvalidRequest(
+                f"continue_from[{i}] has no logprob for each of its tokens, so the continued completion "
+                "cannot carry logprobs; ask for logprobs in the first request too, or leave them out here"
+            )
+        if s.top_logprobs is not None and ids and (prior.top_logprobs is None or len(prior.top_logprobs) != len(ids)):
+            raise InvalidRequest(
+                f"continue_from[{i}] has no top_logprobs for each of its tokens; ask for them in the first "
+                "request too, or leave them out here"
+            )
+        if prior.token_weight_versions is not None and len(prior.token_weight_versions) != len(ids):
+            raise InvalidRequest(f"continue_from[{i}]: token_weight_versions must have one entry per token")

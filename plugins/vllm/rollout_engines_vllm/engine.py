@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from rollout_engines.backend_kit import LoopThread, finish_reason, validate_prompts
+from rollout_engines.backend_kit import LoopThread, check_continuations, finish_reason, validate_prompts
 from rollout_engines.engine import Capabilities, Engine
 from rollout_engines.errors import (
     BackendNotInstalled,
@@ -510,13 +510,13 @@ class VllmEngine(Engine):
         prompts = self._prompts(request)
         rids = request.sequence_ids()
         priors = request.continue_from
+        check_continuations(request)
         seqs = []
         for i, ids in enumerate(prompts):
             prior = priors[i] if priors is not None else None
             prompt_len = None
             prompt = {"prompt_token_ids": ids}
             if prior is not None:
-                self._check_prior(i, prior, request)
                 prompt_len = len(ids)
                 prompt = {"prompt_token_ids": [*ids, *prior.token_ids]}
             for k in range(s.n):
@@ -529,22 +529,6 @@ class VllmEngine(Engine):
                     prompt_top_k=s.prompt_logprobs or 0, lora_name=request.lora,
                 ))
         return seqs
-
-    @staticmethod
-    def _check_prior(i: int, prior: Completion, request: GenerateRequest) -> None:
-        ids, s = prior.token_ids, request.sampling
-        if s.logprobs is not None and ids and (prior.logprobs is None or len(prior.logprobs) != len(ids)):
-            raise InvalidRequest(
-                f"continue_from[{i}] has no logprob for each of its tokens, so the continued completion "
-                "cannot carry logprobs; ask for logprobs in the first request too, or leave them out here"
-            )
-        if s.top_logprobs is not None and ids and (prior.top_logprobs is None or len(prior.top_logprobs) != len(ids)):
-            raise InvalidRequest(
-                f"continue_from[{i}] has no top_logprobs for each of its tokens; ask for them in the first "
-                "request too, or leave them out here"
-            )
-        if prior.token_weight_versions is not None and len(prior.token_weight_versions) != len(ids):
-            raise InvalidRequest(f"continue_from[{i}]: token_weight_versions must have one entry per token")
 
     def _register(self, seqs: list[_Seq]) -> None:
         with self._seqs_lock:

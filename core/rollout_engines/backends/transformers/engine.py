@@ -69,7 +69,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 
-from ...backend_kit import validate_prompts
+from ...backend_kit import check_continuations, validate_prompts
 from ...engine import Capabilities, Engine
 from ...errors import (
     EngineAsleep,
@@ -691,26 +691,8 @@ class TransformersEngine(Engine):
         validate_prompts(prompts, max_tokens=request.sampling.max_tokens, max_model_len=self.max_model_len,
                          vocab_size=self.vocab_size,
                          continued=[c.token_ids for c in priors] if priors is not None else None)
-        if priors is not None:
-            for i, prior in enumerate(priors):
-                self._check_prior(i, prior, request)
+        check_continuations(request)
         return prompts
-
-    def _check_prior(self, i: int, prior: Completion, request: GenerateRequest) -> None:
-        ids = prior.token_ids
-        s = request.sampling
-        if s.logprobs is not None and ids and (prior.logprobs is None or len(prior.logprobs) != len(ids)):
-            raise InvalidRequest(
-                f"continue_from[{i}] has no logprob for each of its tokens, so the continued completion "
-                "cannot carry logprobs; ask for logprobs in the first request too, or leave them out here"
-            )
-        if s.top_logprobs is not None and ids and (prior.top_logprobs is None or len(prior.top_logprobs) != len(ids)):
-            raise InvalidRequest(
-                f"continue_from[{i}] has no top_logprobs for each of its tokens; ask for them in the first "
-                "request too, or leave them out here"
-            )
-        if prior.token_weight_versions is not None and len(prior.token_weight_versions) != len(ids):
-            raise InvalidRequest(f"continue_from[{i}]: token_weight_versions must have one entry per token")
 
     def _rows(self, job: _GenerateJob, first_key: int) -> list[Row]:
         request = job.request
