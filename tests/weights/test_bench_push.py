@@ -21,7 +21,7 @@ def test_push_benchmark_times_pushes_that_land(tiny_model):
     assert result["platform"] == "cpu" and result["fingerprint"] == "greedy tokens"
     # The same-run baseline: one copy of the state on the trainer's device; ratio relates the two.
     assert result["device_copy_gbps"] > 0
-    assert result["ratio"] == pytest.approx(result["gbps"] / result["device_copy_gbps"], rel=0.02)
+    assert result["ratio"] == pytest.approx(result["gbps"] / result["device_copy_gbps"], rel=0.02, abs=1e-3)
 
 
 @pytest.mark.transformers
