@@ -155,3 +155,23 @@ def test_empty_prompts_and_ids_outside_the_vocabulary_are_refused() -> None:
 )
 def test_finish_reasons_map_onto_the_cores(reason, expected) -> None:
     assert finish_reason(reason) == expected
+
+
+def test_prefix_cache_tracker_skips_only_resets_that_cannot_matter() -> None:
+    from rollout_engines.backend_kit import PrefixCacheTracker
+
+    cache = PrefixCacheTracker()
+    first = cache.dirty()
+    assert first is not None  # never reset: the state is unknown, reset
+    cache.reset_done(first)
+    assert cache.dirty() is None  # nothing submitted since: skip
+    cache.submitted()
+    token = cache.dirty()
+    assert token is not None
+    cache.submitted()  # a request submitted while the reset ran
+    cache.reset_done(token)
+    assert cache.dirty() is not None  # that request may have cached blocks: the next reset runs
+    cache.reset_done(cache.dirty() or 0)
+    assert cache.dirty() is None
+    cache.forget()  # memory released and restored
+    assert cache.dirty() is not None

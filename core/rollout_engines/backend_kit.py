@@ -196,3 +196,30 @@ def check_continuations(request: GenerateRequest) -> None:
             )
         if prior.token_weight_versions is not None and len(prior.token_weight_versions) != len(ids):
             raise InvalidRequest(f"continue_from[{i}]: token_weight_versions must have one entry per token")
+
+
+class PrefixCacheTracker:
+    """Skips prefix-cache resets that cannot change anything: no request was submitted since the
+    last reset (a reset walks every cached block, milliseconds on a large KV cache, and an RL loop
+    asks for one after every push).
+
+    ``submitted()`` per request handed to the engine library; ``dirty()`` before resetting (False:
+    skip); ``reset_done(token)`` with ``dirty()``'s token once the reset succeeded; ``forget()``
+    when the cache's state is unknown (memory released and restored): the next reset runs."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._at_reset = -1
+
+    def submitted(self) -> None:
+        self.count += 1
+
+    def dirty(self) -> int | None:
+        """None: nothing can be cached since the last reset; else a token for :meth:`reset_done`."""
+        return None if self.count == self._at_reset else self.count
+
+    def reset_done(self, token: int) -> None:
+        self._at_reset = token
+
+    def forget(self) -> None:
+        self._at_reset = -1

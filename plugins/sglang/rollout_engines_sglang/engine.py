@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
-from rollout_engines.backend_kit import validate_prompts
+from rollout_engines.backend_kit import PrefixCacheTracker, validate_prompts
 from rollout_engines.engine import Capabilities, Engine
 from rollout_engines.errors import (
     BackendNotInstalled,
@@ -166,8 +166,7 @@ class SglangEngine(Engine):
         # Requests submitted, and their count at the last prefix-cache flush: a push with nothing
         # generated since then has nothing cached to flush (SGLang's flush also empties torch's
         # allocator cache; it is skipped, as in the vLLM plugin).
-        self._submitted = 0
-        self._submitted_at_flush = -1
+        self._cache = PrefixCacheTracker()
         self.runtime: SglangRuntime = runtime if runtime is not None else self._start_runtime()
 
     # ---- start ---------------------------------------------------------------------------------
@@ -221,7 +220,7 @@ class SglangEngine(Engine):
             max_model_len=self.config.max_model_len or self.runtime.context_length,
             vocab_size=self.runtime.vocab_size,
         )
-        self._submitted += 1
+        self._cache.submitted()
         outputs = await self._unless_failed(self.runtime.generate(**translate.generate_kwargs(request, prompts)))
         tokenizer = self.runtime.tokenizer
         return translate.to_completions(
@@ -243,23 +242,23 @@ class SglangEngine(Engine):
 
     # ---- memory and scheduling ------------------------------------------------------------------
     async def _sleep(self, level: int, tags: Sequence[str]) -> None:
-        self._submitted_at_flush = -1  # memory released and restored: always flush afterwards
+        self._cache.forget()  # memory released and restored: always flush afterwards
         await self.runtime.release_memory(list(tags))
 
     async def _wake_up(self, tags: Sequence[str]) -> None:
-        self._submitted_at_flush = -1
+        self._cache.forget()
         await self.runtime.resume_memory(list(tags))
 
     async def _reset_prefix_cache(self) -> None:
-        submitted = self._submitted
-        if submitted == self._submitted_at_flush:
+        submitted = self._cache.dirty()
+        if submitted is None:
             return  # nothing generated since the last flush: nothing cached
         # SGLang refuses to flush while requests run (e.g. paused in place): retry briefly, as a
         # push or wake-up that just finished may race with requests still draining.
         for attempt in range(20):
             try:
                 await self.runtime.flush_cache()
-                self._submitted_at_flush = submitted
+                self._cache.reset_done(submitted)
                 return
             except Exception as exc:
                 if attempt == 19:

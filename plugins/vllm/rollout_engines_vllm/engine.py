@@ -41,7 +41,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from rollout_engines.backend_kit import LoopThread, check_continuations, finish_reason, validate_prompts
+from rollout_engines.backend_kit import (
+    LoopThread,
+    PrefixCacheTracker,
+    check_continuations,
+    finish_reason,
+    validate_prompts,
+)
 from rollout_engines.engine import Capabilities, Engine
 from rollout_engines.errors import (
     BackendNotInstalled,
@@ -247,10 +253,8 @@ class VllmEngine(Engine):
         self._engine_loop: LoopThread | None = None
         self._llm: Any = None
         self._sleep_registered = False
-        # Requests submitted, and how many had been when the prefix cache was last reset: equal
-        # means nothing can be cached, so a reset (O(KV blocks) in vLLM) is skipped.
-        self._submitted = 0
-        self._submitted_at_reset = -1
+        # A reset (O(KV blocks) in vLLM) is skipped when no request was submitted since the last.
+        self._cache = PrefixCacheTracker()
         #: Running prompt x samples by request id (registered by the caller's thread, ended on the
         #: engine loop).
         self._seqs: dict[str, _Seq] = {}
@@ -680,7 +684,7 @@ class VllmEngine(Engine):
         seqs = self._plan(request, delta=False)
         self._register(seqs)
         llm = self._llm
-        self._submitted += 1
+        self._cache.submitted()
 
         async def run() -> None:
             tasks = [asyncio.ensure_future(self._drive(llm, q)) for q in seqs]
@@ -708,7 +712,7 @@ class VllmEngine(Engine):
         seqs = self._plan(request, delta=True)
         self._register(seqs)
         llm, engine_loop = self._llm, self._engine_loop
-        self._submitted += 1
+        self._cache.submitted()
         state: dict[str, Any] = {}
 
         async def start() -> None:
@@ -787,14 +791,14 @@ class VllmEngine(Engine):
     async def _reset_prefix_cache(self) -> None:
         if "kv_cache" in self._asleep:
             return  # nothing cached while the KV cache is released; wake_up resets it
-        submitted = self._submitted
-        if submitted == self._submitted_at_reset:
+        submitted = self._cache.dirty()
+        if submitted is None:
             self._last_reset_s = 0.0  # nothing generated since the last reset: nothing cached
             return
         start = time.perf_counter()
         try:
             if await self._reset_prefix_cache_now():
-                self._submitted_at_reset = submitted
+                self._cache.reset_done(submitted)
         finally:
             self._last_reset_s = round(time.perf_counter() - start, 6)
 
