@@ -2,9 +2,29 @@
 
 Generation goes through ``async_generate`` with token ids (prompts and chats are tokenized here,
 so completions carry their prompt ids); see :mod:`.translate` for the sampling mapping.
-``reset_prefix_cache`` is ``flush_cache``, ``pause``/``resume`` are ``pause_generation(in_place)``
-/ ``continue_generation``, ``sleep``/``wake_up`` are ``release_memory_occupation`` /
-``resume_memory_occupation`` with the same tags.
+``reset_prefix_cache`` is ``flush_cache``, ``sleep``/``wake_up`` are ``release_memory_occupation``
+/ ``resume_memory_occupation`` with the same tags.
+
+**Async RL** (with SGLang's in-process runtime, :class:`~.runtime.SglangStreamingRuntime`): every
+request runs as SGLang's stream (``async_generate(stream=True)``) with one SGLang ``rid`` per
+prompt x sample (the request's ``request_ids``), so each token is tagged with the weight version
+current when it arrived, :meth:`stream` yields the new tokens of each chunk, and :meth:`abort` is
+SGLang's ``abort_request(rid)`` (aborted requests end with their tokens so far). Pause modes:
+
+* ``wait``: new requests are held; returns once those in flight are done (then SGLang is paused
+  ``in_place``, as the plain pause always did).
+* ``abort``: SGLang's ``pause_generation(mode="abort")`` (aborts every request, returns once none
+  runs).
+* ``keep``: SGLang's ``pause_generation(mode="retract")``, not ``in_place``: retracted requests
+  keep their tokens but not their KV cache, which SGLang recomputes on ``continue_generation``
+  with the weights current then. So a push while paused is followed by tokens the new weights make
+  from prompt + tokens so far (what ``continue_from`` gives), and the prefix-cache flush after the
+  push succeeds (SGLang's flush fails while ``in_place`` requests hold the running batch; see
+  ``PauseGenerationReqInput`` in SGLang's python/sglang/srt/managers/io_struct.py).
+
+``continue_from`` sends prompt + earlier tokens as ``input_ids`` and puts the earlier tokens (with
+their logprobs and weight versions) in front of the new ones. A runtime without streaming (the
+remote plugin's HTTP one) keeps the plain path: none of these capabilities are declared then.
 
 **Sleep releases weights.** SGLang frees the weights' memory on sleep and gives back
 uninitialised memory on wake (unless ``enable_weights_cpu_backup=True``), so the engine declares
@@ -38,26 +58,28 @@ import asyncio
 import importlib.util
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
-from rollout_engines.backend_kit import PrefixCacheTracker, validate_prompts
+from rollout_engines.backend_kit import PrefixCacheTracker, check_continuations, validate_prompts
 from rollout_engines.engine import Capabilities, Engine
 from rollout_engines.errors import (
     BackendNotInstalled,
     CapabilityError,
     EngineUnavailable,
+    InvalidRequest,
     ManifestMismatch,
     WeightsInvalidated,
     WeightSyncError,
 )
-from rollout_engines.types import Completion, EngineConfig, GenerateRequest, PauseMode
+from rollout_engines.types import Completion, EngineConfig, GenerateRequest, PauseMode, StreamDelta
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, validate_manifest
 
 from . import translate
-from .plugin import DEFAULT_CAPABILITIES, INSTALL_HINT
-from .runtime import SglangRuntime
+from .plugin import ASYNC_RL_CAPABILITIES, DEFAULT_CAPABILITIES, INSTALL_HINT
+from .runtime import SglangRuntime, SglangStreamingRuntime
 
 logger = logging.getLogger("rollout_engines.sglang")
 
@@ -132,11 +154,36 @@ def server_kwargs(config: EngineConfig, opts: SglangOptions) -> dict[str, Any]:
     return kw
 
 
-def capabilities_for(opts: SglangOptions) -> Capabilities:
+def capabilities_for(opts: SglangOptions, streaming_runtime: bool = True) -> Capabilities:
+    """``streaming_runtime``: whether the runtime streams, aborts and pauses in SGLang's modes
+    (:class:`~.runtime.SglangStreamingRuntime`); without, the async-RL capabilities are off."""
     caps = dict(DEFAULT_CAPABILITIES)
     caps["seed"] = opts.enable_deterministic_inference
     caps["weights_kept_on_sleep"] = opts.enable_weights_cpu_backup
+    if not streaming_runtime:
+        for key in ASYNC_RL_CAPABILITIES:
+            caps.pop(key, None)
     return Capabilities(**caps)
+
+
+@dataclass
+class _Seq:
+    """One prompt x sample of a request, as SGLang runs it (rid = its request id)."""
+
+    rid: str
+    prompt_index: int
+    sample_index: int
+    out: translate.SequenceOutput
+    final_sent: bool = False
+    cut: int | None = None  # where a stop token ends it (ignore_eos + stop_token_ids)
+
+
+@dataclass
+class _Plan:
+    request: GenerateRequest
+    prompts: list[list[int]]
+    seqs: list[_Seq]
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def _sglang_missing() -> str | None:
@@ -168,6 +215,11 @@ class SglangEngine(Engine):
         # allocator cache; it is skipped, as in the vLLM plugin).
         self._cache = PrefixCacheTracker()
         self.runtime: SglangRuntime = runtime if runtime is not None else self._start_runtime()
+        self._streaming = isinstance(self.runtime, SglangStreamingRuntime)
+        self.capabilities = capabilities_for(self.options, self._streaming)
+        #: rid -> sequence, of every request running through SGLang's stream.
+        self._live: dict[str, _Seq] = {}
+        self._abort_tasks: set[asyncio.Task[None]] = set()
 
     # ---- start ---------------------------------------------------------------------------------
     def _start_runtime(self) -> SglangRuntime:
@@ -212,6 +264,8 @@ class SglangEngine(Engine):
     async def _generate(self, request: GenerateRequest) -> list[Completion]:
         if self._failed:
             raise EngineUnavailable(self._failed)
+        if self._streaming:
+            return await self._generate_streamed(request)
         version = self.weight_version
         prompts = translate.tokenize_request(request, self.runtime.tokenizer)
         validate_prompts(
@@ -227,6 +281,161 @@ class SglangEngine(Engine):
             outputs, prompts, request.sampling, version,
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         )
+
+    def _plan(self, request: GenerateRequest) -> _Plan:
+        """Tokenize and check ``request``; one :class:`_Seq` per prompt x sample."""
+        prompts = translate.tokenize_request(request, self.runtime.tokenizer)
+        priors = request.continue_from
+        validate_prompts(
+            prompts,
+            max_tokens=request.sampling.max_tokens,
+            max_model_len=self.config.max_model_len or self.runtime.context_length,
+            vocab_size=self.runtime.vocab_size,
+            continued=[c.token_ids for c in priors] if priors is not None else None,
+        )
+        check_continuations(request)
+        rids = request.sequence_ids()
+        dup = [r for r in rids if r in self._live]
+        if dup:
+            raise InvalidRequest(f"request id '{dup[0]}' is already running on this engine; ids must be unique")
+        n = request.sampling.n
+        incremental = bool(getattr(self.runtime, "incremental_stream", False))
+        seqs = [_Seq(rid, k // n, k % n, translate.SequenceOutput(incremental)) for k, rid in enumerate(rids)]
+        return _Plan(request, prompts, seqs, translate.generate_kwargs(request, prompts, rids))
+
+    async def _run(self, plan: _Plan) -> AsyncGenerator[tuple[_Seq, int, int], None]:
+        """Drive SGLang's stream for ``plan``: yields (sequence, start, end) of the tokens each
+        chunk added. Sequences still running when this ends (the caller stopped, an error) are
+        aborted in SGLang."""
+        runtime = self.runtime
+        assert isinstance(runtime, SglangStreamingRuntime)
+        by_rid = {q.rid: q for q in plan.seqs}
+        self._live.update(by_rid)
+        self._cache.submitted()
+        chunks: AsyncIterator[dict[str, Any]] = runtime.generate_stream(**plan.kwargs)
+        try:
+            while True:
+                try:
+                    chunk = await self._unless_failed(chunks.__anext__())
+                except StopAsyncIteration:
+                    break
+                meta = chunk.get("meta_info") or {}
+                q = by_rid.get(str(meta.get("id", "")))
+                if q is None:  # a single request's chunk carries no index (tokenizer_manager.py)
+                    q = plan.seqs[int(chunk.get("index", 0))]
+                start, end = q.out.absorb(chunk, self.weight_version)
+                yield q, start, end
+        finally:
+            for rid in by_rid:
+                self._live.pop(rid, None)
+            open_rids = [q.rid for q in plan.seqs if not q.out.finished]
+            if open_rids and not self._failed:
+                try:
+                    for rid in open_rids:
+                        await runtime.abort(rid)
+                except Exception:  # best effort: SGLang may be shutting down
+                    logger.debug("aborting abandoned SGLang requests failed", exc_info=True)
+            try:
+                await chunks.aclose()  # type: ignore[attr-defined]
+            except RuntimeError:  # still running: a step given up on a failed worker
+                pass
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.runtime.tokenizer.decode(ids, skip_special_tokens=True))
+
+    async def _generate_streamed(self, request: GenerateRequest) -> list[Completion]:
+        version = self.weight_version
+        plan = self._plan(request)
+        async for _ in self._run(plan):
+            pass
+        s = request.sampling
+        outputs = [q.out.as_output() for q in plan.seqs]
+        comps = translate.to_completions(outputs, plan.prompts, s, version, decode=self._decode)
+        priors = request.continue_from
+        return [
+            translate.complete(c, q.out, s, len(plan.prompts[q.prompt_index]),
+                               priors[q.prompt_index] if priors is not None else None, q.rid)
+            for c, q in zip(comps, plan.seqs, strict=True)
+        ]
+
+    async def _stream(self, request: GenerateRequest) -> AsyncGenerator[StreamDelta, None]:
+        if not self._streaming:
+            async for d in super()._stream(request):
+                yield d
+            return
+        if self._failed:
+            raise EngineUnavailable(self._failed)
+        plan = self._plan(request)
+        s = request.sampling
+        cut_stops = s.stop_token_ids if s.ignore_eos else []
+        run = self._run(plan)
+        try:
+            async for q, start, end in run:
+                if q.final_sent:
+                    continue
+                reason = translate.finish_reason({"finish_reason": q.out.finish}) if q.out.finished else None
+                if cut_stops:
+                    # As generate(): the first stop token ends the sequence (SGLang, told to ignore
+                    # EOS, does not stop on it); SGLang's request is aborted.
+                    cut = translate.cut_at_stop_token(q.out.token_ids[start:end], cut_stops)
+                    if cut is not None:
+                        end, reason = start + cut, "stop"
+                        if not q.out.finished:
+                            await self._abort_rids([q.rid])
+                if start == end and reason is None:
+                    continue
+                yield StreamDelta(
+                    request_id=q.rid, prompt_index=q.prompt_index, sample_index=q.sample_index,
+                    token_ids=q.out.token_ids[start:end],
+                    logprobs=(translate.logprob_values(q.out.logprob_entries[start:end])
+                              if s.logprobs is not None else None),
+                    top_logprobs=(translate.top_lists(q.out, start, end, s.top_logprobs)
+                                  if s.top_logprobs is not None else None),
+                    weight_version=q.out.versions[end - 1] if end > start else self.weight_version,
+                    finish_reason=reason,
+                )
+                if reason is not None:
+                    q.final_sent = True
+        finally:
+            await run.aclose()
+
+    async def _abort(self, request_ids: Sequence[str] | None) -> None:
+        if not self._streaming:
+            await super()._abort(request_ids)
+            return
+        if request_ids is None:
+            assert isinstance(self.runtime, SglangStreamingRuntime)
+            await self.runtime.abort(None)
+            rids = list(self._live)
+        else:
+            rids = [r for r in dict.fromkeys(request_ids) if r in self._live]
+        await self._abort_rids(rids)
+
+    async def _abort_rids(self, rids: list[str]) -> None:
+        """SGLang's abort of each rid, repeated until each has ended: an abort that reaches SGLang
+        before the request is registered in its tokenizer manager is ignored there."""
+        seqs = [self._live[r] for r in rids if r in self._live]
+        if not seqs:
+            return
+        runtime = self.runtime
+        assert isinstance(runtime, SglangStreamingRuntime)
+        for q in seqs:
+            await runtime.abort(q.rid)
+
+        async def again() -> None:
+            delay = 0.02
+            while True:
+                await asyncio.sleep(delay)
+                delay = min(0.25, delay * 2)
+                live = [q for q in seqs if not q.out.finished and q.rid in self._live]
+                if not live or self._failed or self.closed:
+                    return
+                for q in live:
+                    await runtime.abort(q.rid)
+
+        task = asyncio.ensure_future(again())
+        self._abort_tasks.add(task)
+        task.add_done_callback(self._abort_tasks.discard)
 
     async def _unless_failed(self, call: Awaitable[T]) -> T:
         """Await ``call``, but give up with :class:`EngineUnavailable` once a worker process has
@@ -266,7 +475,22 @@ class SglangEngine(Engine):
                 await asyncio.sleep(0.25)
 
     async def _pause(self, mode: PauseMode) -> None:
-        await self.runtime.pause()
+        """See the module docstring: ``wait`` drains and then pauses SGLang ``in_place`` (nothing
+        runs then), ``abort`` is SGLang's mode ``abort``, ``keep`` its mode ``retract``."""
+        runtime = self.runtime
+        if mode == "keep":
+            assert isinstance(runtime, SglangStreamingRuntime)
+            await runtime.pause_mode("retract")
+            return
+        if mode == "abort":
+            assert isinstance(runtime, SglangStreamingRuntime)
+            await runtime.pause_mode("abort")
+        while self._outstanding:
+            if self._failed:
+                raise EngineUnavailable(self._failed)
+            await asyncio.sleep(0.005)
+        if mode == "wait":
+            await runtime.pause()
 
     async def _resume(self) -> None:
         await self.runtime.resume()

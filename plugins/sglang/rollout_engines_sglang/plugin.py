@@ -38,7 +38,21 @@ DEFAULT_CAPABILITIES: dict[str, Any] = {
     "transports": list(TRANSPORTS),
     "tensor_parallel": True,
     "multi_process": True,
+    # Async RL (see engine.py): SGLang's stream (async_generate(stream=True)), abort_request(rid),
+    # pause_generation(mode="abort" / "retract") for the core's "abort" / "keep" ("wait" drains,
+    # then pauses in place), top_logprobs_num, logprob_start_len=0, prompt + earlier tokens.
+    "streaming": True,
+    "abort": True,
+    "pause_modes": ["wait", "abort", "keep"],
+    # SGLang has no cap of its own on top_logprobs_num; 20 as vLLM's default max_logprobs.
+    "top_logprobs": 20,
+    "prompt_logprobs": True,
+    "continuation": True,
 }
+
+#: The capabilities above that need SGLang's in-process runtime (streaming, abort by rid, pause
+#: modes); an engine over a runtime without them (e.g. the remote plugin's HTTP one) drops them.
+ASYNC_RL_CAPABILITIES = ("streaming", "abort", "pause_modes", "top_logprobs", "prompt_logprobs", "continuation")
 
 
 @hookimpl

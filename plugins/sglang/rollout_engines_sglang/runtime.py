@@ -19,8 +19,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from rollout_engines.backend_kit import LoopThread
 
@@ -60,6 +60,41 @@ class SglangRuntime(Protocol):
     def shutdown(self) -> None: ...
 
 
+#: SGLang's own pause modes (``PauseGenerationReqInput.mode`` in SGLang's
+#: python/sglang/srt/managers/io_struct.py): ``abort`` ends the running requests, ``retract`` moves
+#: them back to the waiting queue (their KV cache may be flushed and is recomputed on continue),
+#: ``in_place`` keeps them in the running batch with their KV cache.
+SglangPauseMode = Literal["abort", "retract", "in_place"]
+
+
+@runtime_checkable
+class SglangStreamingRuntime(SglangRuntime, Protocol):
+    """A runtime that also streams, aborts by request id and pauses in SGLang's modes (the
+    in-process one). Runtimes without these (e.g. a plain HTTP adapter) still serve
+    :class:`~.engine.SglangEngine`; it then declares none of the capabilities they back."""
+
+    #: SGLang's ``incremental_streaming_output``: stream chunks carry only the new tokens (and
+    #: logprobs); otherwise each chunk carries everything so far (SGLang's default).
+    incremental_stream: bool
+
+    def generate_stream(self, **kwargs: Any) -> AsyncIterator[dict[str, Any]]: ...
+    async def abort(self, rid: str | None) -> None: ...
+    async def pause_mode(self, mode: SglangPauseMode) -> None: ...
+
+
+def _snapshot(chunk: dict[str, Any]) -> dict[str, Any]:
+    """A copy of one stream chunk, taken on SGLang's loop: SGLang's non-incremental intermediate
+    chunks hand out its request state's own lists (``output_ids``, logprob lists), which it keeps
+    extending (python/sglang/srt/managers/tokenizer_manager.py, ``_handle_batch_output``)."""
+    out = dict(chunk)
+    if out.get("output_ids") is not None:
+        out["output_ids"] = list(out["output_ids"])
+    meta = out.get("meta_info")
+    if isinstance(meta, dict):
+        out["meta_info"] = {k: list(v) if isinstance(v, list) else v for k, v in meta.items()}
+    return out
+
+
 def _check(result: Any, what: str) -> None:
     """SGLang's control calls answer ``(success, message, ...)`` (or an object with them)."""
     if result is None:
@@ -89,6 +124,7 @@ class InProcessRuntime:
         mc = getattr(self._engine.tokenizer_manager, "model_config", None)
         self.vocab_size = getattr(mc, "vocab_size", None)
         self.context_length = getattr(mc, "context_len", None) or getattr(sa, "context_length", None)
+        self.incremental_stream = bool(getattr(sa, "incremental_streaming_output", False))
 
     @staticmethod
     async def _construct(server_kwargs: dict[str, Any]) -> Any:
@@ -107,14 +143,65 @@ class InProcessRuntime:
         out = await self._call(self._engine.async_generate(**kwargs))
         return out if isinstance(out, list) else [out]
 
+    async def generate_stream(self, **kwargs: Any) -> AsyncIterator[dict[str, Any]]:
+        """SGLang's stream: ``Engine.async_generate(..., stream=True)`` returns the tokenizer
+        manager's async generator (python/sglang/srt/entrypoints/engine.py); for a batch it yields
+        one chunk per update of any of its requests, each with ``index`` (its place in the batch)
+        and ``meta_info['id']`` (its rid) (tokenizer_manager.py, ``_handle_batch_request``). The
+        generator lives on SGLang's loop, so every step runs there."""
+        engine = self._engine
+
+        async def start() -> Any:
+            return await engine.async_generate(stream=True, **kwargs)
+
+        async def step(gen: Any) -> dict[str, Any] | None:
+            try:
+                chunk = await gen.__anext__()
+            except StopAsyncIteration:
+                return None
+            return _snapshot(chunk)
+
+        gen = await self._call(start())
+        try:
+            while True:
+                chunk = await self._call(step(gen))
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            if not self._loop.closed:
+                try:
+                    await self._call(gen.aclose())
+                except Exception:  # an abandoned stream: its requests are aborted by the engine
+                    logger.debug("closing SGLang's stream failed", exc_info=True)
+
+    async def abort(self, rid: str | None) -> None:
+        """``TokenizerManager.abort_request(rid=..., abort_all=...)`` (tokenizer_manager.py; a plain
+        function that sends ``AbortReq`` to the scheduler, ignoring rids it does not know). The
+        aborted request ends with ``finish_reason={'type': 'abort', ...}`` and its tokens so far."""
+        tm = self._tm
+
+        async def go() -> None:
+            if rid is None:
+                tm.abort_request(abort_all=True)
+            else:
+                tm.abort_request(rid=rid)
+
+        await self._call(go())
+
     async def flush_cache(self) -> None:
         _check(await self._call(self._tm.flush_cache()), "flush_cache")
 
     async def pause(self) -> None:
+        await self.pause_mode("in_place")
+
+    async def pause_mode(self, mode: SglangPauseMode) -> None:
+        """``TokenizerManager.pause_generation(PauseGenerationReqInput(mode=...))``: ``abort``
+        aborts every request and returns once none runs; ``in_place`` / ``retract`` pause the
+        scheduler (see :data:`SglangPauseMode`). ``continue_generation`` resumes."""
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
-        # in_place: running requests stay in the batch (with their KV cache) and continue later.
-        await self._call(self._tm.pause_generation(PauseGenerationReqInput(mode="in_place")))
+        await self._call(self._tm.pause_generation(PauseGenerationReqInput(mode=mode)))
 
     async def resume(self) -> None:
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput

@@ -22,6 +22,13 @@ core field                    SGLang
                               ``logprob_start_len=-1`` (no prompt logprobs) and
                               ``top_logprobs_num=logprobs``; the sampled token's logprob
                               comes back in ``meta_info['output_token_logprobs']``
+``top_logprobs``              ``top_logprobs_num`` (shared with the prompt's; trimmed here);
+                              ``meta_info['output_top_logprobs']``, one list of
+                              (logprob, token_id, text) per generated token; the sampled
+                              token is added where it is not among them
+``prompt_logprobs``           ``logprob_start_len=0``: ``meta_info['input_token_logprobs']``
+                              (the first entry's logprob is None) and
+                              ``input_top_logprobs``
 ``n``                         the prompt is repeated ``n`` times with ``n=1`` each, so the
                               order of outputs is prompt-major by construction
 ============================  ==========================================================
@@ -34,7 +41,7 @@ from typing import Any
 
 from rollout_engines import backend_kit
 from rollout_engines.tokenization import chat_token_ids
-from rollout_engines.types import Completion, FinishReason, GenerateRequest, SamplingParams
+from rollout_engines.types import Completion, FinishReason, GenerateRequest, SamplingParams, TokenLogprob
 
 
 def sampling_params(s: SamplingParams) -> dict[str, Any]:
@@ -59,11 +66,16 @@ def sampling_params(s: SamplingParams) -> dict[str, Any]:
 
 
 def logprob_kwargs(s: SamplingParams) -> dict[str, Any]:
-    """Request-level logprob arguments of ``Engine.async_generate``."""
-    if s.logprobs is None:
+    """Request-level logprob arguments of ``Engine.async_generate`` (``return_logprob``,
+    ``logprob_start_len``, ``top_logprobs_num``: python/sglang/srt/entrypoints/engine.py)."""
+    if s.logprobs is None and s.top_logprobs is None and s.prompt_logprobs is None:
         return {"return_logprob": False}
-    # -1: start at the first generated token, so no prompt logprobs are computed.
-    return {"return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": s.logprobs}
+    # One top_logprobs_num serves the output and the prompt; each is trimmed to its own k.
+    top = max(s.logprobs or 0, s.top_logprobs or 0, s.prompt_logprobs or 0)
+    # -1: start at the first generated token, so no prompt logprobs are computed; 0: from the
+    # first prompt token on (prompt logprobs).
+    start = 0 if s.prompt_logprobs is not None else -1
+    return {"return_logprob": True, "logprob_start_len": start, "top_logprobs_num": top}
 
 
 def tokenize_request(request: GenerateRequest, tokenizer: Any) -> list[list[int]]:
@@ -86,16 +98,32 @@ def expand_prompts(prompts: Sequence[list[int]], n: int) -> list[list[int]]:
     return [list(p) for p in prompts for _ in range(n)]
 
 
-def generate_kwargs(request: GenerateRequest, prompts: Sequence[list[int]]) -> dict[str, Any]:
-    """Keyword arguments of one batched ``sglang.Engine.async_generate`` call."""
+def model_inputs(request: GenerateRequest, prompts: Sequence[list[int]]) -> list[list[int]]:
+    """What SGLang is given per prompt: the prompt, followed by the tokens of the completion it
+    continues (``continue_from``; n is 1 then), so SGLang prefills both and generates on."""
+    if request.continue_from is None:
+        return [list(p) for p in prompts]
+    return [list(p) + list(c.token_ids) for p, c in zip(prompts, request.continue_from, strict=True)]
+
+
+def generate_kwargs(
+    request: GenerateRequest, prompts: Sequence[list[int]], rids: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """Keyword arguments of one batched ``sglang.Engine.async_generate`` call; ``rids``: SGLang's
+    ``rid`` of every prompt x sample (prompt-major), the ids abort_request takes."""
     s = request.sampling
-    expanded = expand_prompts(prompts, s.n)
+    expanded = expand_prompts(model_inputs(request, prompts), s.n)
     one = sampling_params(s)
-    return {
+    out = {
         "input_ids": expanded,
         "sampling_params": [dict(one) for _ in expanded],
         **logprob_kwargs(s),
     }
+    if rids is not None:
+        if len(rids) != len(expanded):
+            raise ValueError(f"{len(rids)} request ids for {len(expanded)} sequences")
+        out["rid"] = list(rids)
+    return out
 
 
 def finish_reason(meta_info: Mapping[str, Any]) -> FinishReason:
@@ -155,3 +183,131 @@ def to_completions(
             )
         )
     return completions
+
+
+# ---- streaming and the logprobs SGLang returns with it ---------------------------------------------
+class SequenceOutput:
+    """One sequence's output so far, built from SGLang's stream chunks.
+
+    SGLang's chunks (python/sglang/srt/managers/tokenizer_manager.py, ``_handle_batch_output``)
+    carry everything so far (``output_ids``, ``meta_info['output_token_logprobs']`` ...) unless
+    SGLang runs with ``incremental_streaming_output``, when they carry only what is new; the final
+    chunk has ``meta_info['finish_reason']`` set (a dict with 'type'), intermediate ones None.
+    """
+
+    def __init__(self, incremental: bool = False) -> None:
+        self.incremental = incremental
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprob_entries: list[Any] = []  # (logprob, token_id, text) per token
+        self.top_entries: list[Any] = []  # per token: a list of (logprob, token_id, text), or None
+        self.versions: list[int] = []  # the engine's weight version when each token arrived
+        self.input_entries: list[Any] | None = None
+        self.input_top_entries: list[Any] | None = None
+        self.finish: Any = None
+        self.finished = False
+
+    def absorb(self, chunk: Mapping[str, Any], version: int) -> tuple[int, int]:
+        """Take one chunk; returns the [start, end) range of the tokens it added."""
+        meta = chunk.get("meta_info") or {}
+        ids = list(chunk.get("output_ids") or [])
+        start = len(self.token_ids)
+        lps = list(meta.get("output_token_logprobs") or [])
+        tops = list(meta.get("output_top_logprobs") or [])
+        if self.incremental:
+            new = ids
+            self.text += chunk.get("text") or ""
+        else:
+            new, lps, tops = ids[start:], lps[start:], tops[start:]
+            if chunk.get("text") is not None:
+                self.text = chunk["text"]
+        self.token_ids += new
+        self.logprob_entries += lps
+        self.top_entries += tops
+        self.versions += [version] * len(new)
+        if self.input_entries is None and meta.get("input_token_logprobs"):
+            self.input_entries = list(meta["input_token_logprobs"])
+        if self.input_top_entries is None and meta.get("input_top_logprobs"):
+            self.input_top_entries = list(meta["input_top_logprobs"])
+        if meta.get("finish_reason") is not None:
+            self.finished, self.finish = True, meta["finish_reason"]
+        return start, len(self.token_ids)
+
+    def as_output(self) -> dict[str, Any]:
+        """In the format of SGLang's non-streamed output (what :func:`to_completions` reads)."""
+        return {
+            "output_ids": list(self.token_ids), "text": self.text,
+            "meta_info": {"finish_reason": self.finish, "output_token_logprobs": list(self.logprob_entries)},
+        }
+
+
+def logprob_values(entries: Sequence[Any]) -> list[float]:
+    return [float(e[0]) for e in entries]
+
+
+def top_list(entry: Any, k: int, sampled: int | None = None, sampled_logprob: float | None = None) -> list[TokenLogprob]:
+    """One position's top logprobs (SGLang: a list of (logprob, token_id, text)), the ``k`` most
+    likely, sorted, with the sampled token added when it is not among them."""
+    items = [(float(e[0]), int(e[1])) for e in (entry or []) if e is not None and e[0] is not None]
+    items.sort(key=lambda x: -x[0])
+    items = items[:k]
+    if sampled is not None and sampled_logprob is not None and sampled not in {t for _, t in items}:
+        items.append((float(sampled_logprob), int(sampled)))
+        items.sort(key=lambda x: -x[0])
+    return [TokenLogprob(token_id=t, logprob=lp) for lp, t in items]
+
+
+def top_lists(out: SequenceOutput, start: int, end: int, k: int) -> list[list[TokenLogprob]]:
+    rows = []
+    for j in range(start, end):
+        entry = out.top_entries[j] if j < len(out.top_entries) else None
+        lp = out.logprob_entries[j][0] if j < len(out.logprob_entries) else None
+        rows.append(top_list(entry, k, out.token_ids[j], lp))
+    return rows
+
+
+def prompt_logprobs(out: SequenceOutput, prompt_len: int, k: int) -> tuple[list[float | None], list[list[TokenLogprob]] | None]:
+    """The prompt's logprobs (first None) and, for ``k > 0``, its top ``k`` per position, from
+    ``input_token_logprobs`` / ``input_top_logprobs`` (asked for with ``logprob_start_len=0``)."""
+    entries = (out.input_entries or [])[:prompt_len]
+    values: list[float | None] = [None if e is None or e[0] is None else float(e[0]) for e in entries]
+    values += [None] * (prompt_len - len(values))
+    if values:
+        values[0] = None
+    if k <= 0:
+        return values, None
+    tops = list(out.input_top_entries or [])[:prompt_len]
+    tops += [None] * (prompt_len - len(tops))
+    return values, [top_list(e, k) for e in tops]
+
+
+def complete(
+    c: Completion,
+    out: SequenceOutput,
+    sampling: SamplingParams,
+    prompt_len: int,
+    prior: Completion | None,
+    request_id: str,
+) -> Completion:
+    """A completion of :func:`to_completions` (over ``out.as_output()``) with what the streamed
+    output adds: top and prompt logprobs, the weight version of each token, the request id, and
+    the tokens of the completion it continues (``prior``) in front."""
+    n = len(c.token_ids)  # to_completions may have cut at a stop token
+    versions = out.versions[:n]
+    if sampling.top_logprobs is not None:
+        c.top_logprobs = top_lists(out, 0, n, sampling.top_logprobs)
+    if sampling.prompt_logprobs is not None:
+        c.prompt_logprobs, c.prompt_top_logprobs = prompt_logprobs(out, prompt_len, sampling.prompt_logprobs)
+    if prior is not None:
+        c.token_ids = list(prior.token_ids) + c.token_ids
+        c.text = prior.text + c.text
+        if c.logprobs is not None:
+            c.logprobs = list(prior.logprobs or []) + c.logprobs
+        if c.top_logprobs is not None:
+            c.top_logprobs = list(prior.top_logprobs or []) + c.top_logprobs
+        versions = prior.versions() + versions
+    if versions:
+        c.weight_version = versions[-1]
+        c.token_weight_versions = versions if len(set(versions)) > 1 else None
+    c.request_id = request_id
+    return c

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +138,124 @@ class FakeSglangRuntime:
 
     def shutdown(self) -> None:
         self.shut_down = True
+
+
+class StreamingFakeSglangRuntime(FakeSglangRuntime):
+    """The fake also standing in for SGLang's stream, abort and pause modes
+    (:class:`rollout_engines_sglang.runtime.SglangStreamingRuntime`), in the formats SGLang's own
+    source gives them (read in sgl-project/sglang, python/sglang/srt/managers/tokenizer_manager.py
+    and io_struct.py):
+
+    * chunks of ``async_generate(stream=True)`` for a batch: ``{"text", "output_ids", "meta_info",
+      "index"}``; without ``incremental_streaming_output`` (SGLang's default) ``output_ids`` and the
+      ``meta_info`` logprob lists hold everything so far, ``text`` is None until the last chunk;
+      ``meta_info`` has ``id`` (the rid) and ``finish_reason`` (None, or a dict with ``type``:
+      'length', 'stop', 'abort');
+    * ``output_token_logprobs``: (logprob, token_id, text) per token; ``output_top_logprobs``: a
+      list of those per token; ``input_token_logprobs`` (first logprob None) and
+      ``input_top_logprobs`` (first None: scheduler_output_processor_mixin.py prepends it when
+      ``logprob_start_len == 0``);
+    * ``abort_request(rid)``: the request ends with ``finish_reason={'type': 'abort', ...}`` and its
+      tokens so far; unknown rids are ignored;
+    * ``pause_generation(mode)``: 'abort' aborts every request (and holds new ones), 'retract' and
+      'in_place' stop the scheduler until ``continue_generation``.
+
+    One token per sequence per step (``step_s`` apart), made from the weights current at that step.
+    """
+
+    def __init__(self, *a: Any, incremental: bool = False, step_s: float = 0.002, **k: Any) -> None:
+        super().__init__(*a, **k)
+        self.incremental_stream = incremental
+        self.step_s = step_s
+        self.live: set[str] = set()
+        self.aborting: set[str] = set()
+        self.aborts: list[str | None] = []
+        self.pause_modes: list[str] = []
+        self._running = asyncio.Event()
+        self._running.set()
+        self._admit = asyncio.Event()
+        self._admit.set()
+
+    async def generate_stream(self, *, input_ids: list[list[int]], sampling_params: list[dict], rid: list[str],
+                              **kw: Any) -> AsyncIterator[dict[str, Any]]:
+        if self.released:
+            raise RuntimeError(f"memory released ({sorted(self.released)}): SGLang would crash or read garbage")
+        if self.hang:
+            await asyncio.Event().wait()
+        await self._admit.wait()  # SGLang's tokenizer manager holds new requests while paused
+        self.generate_calls.append({"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid, **kw})
+        self.live |= set(rid)
+        outs: dict[str, list[int]] = {r: [] for r in rid}
+        done: set[str] = set()
+        k_top = int(kw.get("top_logprobs_num") or 0)
+        try:
+            while len(done) < len(rid):
+                await asyncio.sleep(self.step_s)
+                await self._running.wait()
+                for i, (r, ids, sp) in enumerate(zip(rid, input_ids, sampling_params, strict=True)):
+                    if r in done:
+                        continue
+                    out = outs[r]
+                    finish: dict[str, Any] | None
+                    start = len(out)
+                    if r in self.aborting:
+                        finish = {"type": "abort", "message": "Abort request", "status_code": None}
+                    else:
+                        token = (sum(ids) + self.fingerprint() + i * (sp["temperature"] > 0)) % self.vocab_size
+                        out.append(token)
+                        finish = {"type": "length", "length": len(out)} if len(out) == sp["max_new_tokens"] else None
+                    yield self._chunk(i, r, ids, out, start, finish, kw, k_top)
+                    if finish is not None:
+                        done.add(r)
+        finally:
+            self.live -= set(rid)
+            self.aborting -= set(rid)
+
+    def _chunk(self, i: int, rid: str, ids: list[int], out: list[int], start: int, finish: dict | None,
+               kw: dict[str, Any], k_top: int) -> dict[str, Any]:
+        v = self.vocab_size
+        assert v is not None
+        lo = start if self.incremental_stream else 0
+        meta: dict[str, Any] = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
+                                "weight_version": "default", "completion_tokens": len(out), "cached_tokens": 0}
+        if kw.get("return_logprob"):
+            meta["output_token_logprobs"] = [(-0.5, t, None) for t in out[lo:]]
+            if k_top:
+                # The sampled token is the second most likely here: with k=1 it is not among them.
+                meta["output_top_logprobs"] = [
+                    [(-0.25, (t + 1) % v, None), (-0.5, t, None), (-3.0, (t + 2) % v, None)][:k_top] for t in out[lo:]
+                ]
+            if kw.get("logprob_start_len") == 0 and (start == 0 or not self.incremental_stream):
+                meta["input_token_logprobs"] = [(None, ids[0], None)] + [(-1.0, t, None) for t in ids[1:]]
+                if k_top:
+                    meta["input_top_logprobs"] = [None] + [
+                        [(-0.75, (t + 3) % v, None), (-1.0, t, None)][:k_top] for t in ids[1:]
+                    ]
+        text = self.tokenizer.decode(out[lo:]) if (finish is not None or self.incremental_stream) else None
+        return {"text": text, "output_ids": list(out[lo:]), "meta_info": meta, "index": i}
+
+    async def abort(self, rid: str | None) -> None:
+        self.aborts.append(rid)
+        if rid is None:
+            self.aborting |= self.live
+        elif rid in self.live:
+            self.aborting.add(rid)
+
+    async def pause(self) -> None:
+        await self.pause_mode("in_place")
+
+    async def pause_mode(self, mode: str) -> None:
+        self.pause_modes.append(mode)
+        self.paused = True
+        self._admit.clear()
+        if mode == "abort":
+            self.aborting |= self.live
+            while self.live:  # SGLang returns once no request runs
+                await asyncio.sleep(self.step_s)
+        else:
+            self._running.clear()
+
+    async def resume(self) -> None:
+        self.paused = False
+        self._running.set()
+        self._admit.set()

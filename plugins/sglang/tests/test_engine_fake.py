@@ -13,17 +13,22 @@ from rollout_engines.errors import (
     WeightsInvalidated,
     WeightSyncError,
 )
-from rollout_engines.types import EngineConfig, GenerateRequest, SamplingParams
+from rollout_engines.types import EngineConfig, GenerateRequest, SamplingParams, TokenLogprob
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
 from rollout_engines.weights.session import connect_weight_sync
 from rollout_engines_sglang.engine import SglangEngine
-from sglang_fake import FakeSglangRuntime
+from sglang_fake import FakeSglangRuntime, StreamingFakeSglangRuntime
 
 GREEDY = GenerateRequest(prompt_token_ids=[[5, 6, 7], [9]], sampling=SamplingParams(temperature=0.0, max_tokens=4))
 
 
-def make(tiny_model, *, tp_size: int = 1, **options) -> tuple[SglangEngine, FakeSglangRuntime]:
-    fake = FakeSglangRuntime(tiny_model, tp_size=tp_size, cpu_backup=options.get("enable_weights_cpu_backup", False))
+def make(tiny_model, *, tp_size: int = 1, streaming: bool = True, incremental: bool = False,
+         **options) -> tuple[SglangEngine, StreamingFakeSglangRuntime]:
+    backup = options.get("enable_weights_cpu_backup", False)
+    if streaming:
+        fake = StreamingFakeSglangRuntime(tiny_model, tp_size=tp_size, cpu_backup=backup, incremental=incremental)
+    else:
+        fake = FakeSglangRuntime(tiny_model, tp_size=tp_size, cpu_backup=backup)  # type: ignore[assignment]
     config = EngineConfig(
         backend="sglang", model=str(tiny_model), dtype="float32", tensor_parallel_size=tp_size,
         options={"relay_device": "cpu", **options},
@@ -248,3 +253,159 @@ async def test_a_push_flushes_the_prefix_cache_only_after_generation(tiny_model)
     await engine.wake_up()  # memory came back: flushed whatever was generated before
     assert fake.flushes == flushes + 3
     await engine.close()
+
+
+# ---- async RL: request ids, streaming, abort, pause modes, logprobs, continuation ------------------
+def test_async_rl_capabilities_follow_the_runtime(tiny_model) -> None:
+    engine, _ = make(tiny_model)
+    caps = engine.capabilities
+    assert caps.streaming and caps.abort and caps.prompt_logprobs and caps.continuation
+    assert set(caps.pause_modes) == {"wait", "abort", "keep"} and caps.top_logprobs == 20
+    # A runtime without SGLang's stream / abort / pause modes (e.g. the remote HTTP one): none declared.
+    plain, _ = make(tiny_model, streaming=False)
+    pc = plain.capabilities
+    assert not (pc.streaming or pc.abort or pc.prompt_logprobs or pc.continuation or pc.top_logprobs)
+    assert pc.pause_modes == () and plain.pause_modes() == ("wait",)
+
+
+async def test_request_ids_are_sglang_rids(tiny_model) -> None:
+    engine, fake = make(tiny_model)
+    req = GenerateRequest(prompt_token_ids=[[5, 6], [7]], sampling=SamplingParams(n=2, max_tokens=2, temperature=0.5),
+                          request_ids=["a", "b", "c", "d"])
+    outs = await engine.generate(req)
+    assert fake.generate_calls[-1]["rid"] == ["a", "b", "c", "d"]
+    assert [c.request_id for c in outs] == ["a", "b", "c", "d"]
+    auto = await engine.generate(GREEDY)
+    assert [c.request_id for c in auto] == fake.generate_calls[-1]["rid"] and all(auto[i].request_id for i in (0, 1))
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+async def test_stream_deltas_add_up_to_generate(tiny_model, incremental) -> None:
+    engine, fake = make(tiny_model, incremental=incremental)
+    s = SamplingParams(temperature=0.0, max_tokens=5, logprobs=0, top_logprobs=2)
+    req = GenerateRequest(prompt_token_ids=[[5, 6, 7], [9]], sampling=s, request_ids=["x", "y"])
+    whole = {c.request_id: c for c in await engine.generate(req)}
+    got: dict[str, list] = {"x": [], "y": []}
+    finish: dict[str, str] = {}
+    deltas = []
+    async for d in engine.stream(req):
+        assert d.request_id not in finish
+        deltas.append(d)
+        got[d.request_id].extend(d.token_ids)
+        assert d.logprobs == [-0.5] * len(d.token_ids) and d.weight_version == 0
+        assert d.top_logprobs is not None and len(d.top_logprobs) == len(d.token_ids)
+        if d.finish_reason:
+            finish[d.request_id] = d.finish_reason
+    assert len(deltas) >= 10  # one chunk per token: the stream is SGLang's, not the finished output
+    assert {r: c.token_ids for r, c in whole.items()} == got and finish == {"x": "length", "y": "length"}
+    for c in whole.values():
+        assert c.top_logprobs == [
+            [TokenLogprob(token_id=(t + 1) % fake.vocab_size, logprob=-0.25), TokenLogprob(token_id=t, logprob=-0.5)]
+            for t in c.token_ids
+        ]
+        assert c.text == fake.tokenizer.decode(c.token_ids)
+    # A consumer that stops early aborts what is still running in SGLang.
+    long = GenerateRequest(prompt_token_ids=[[3]], sampling=SamplingParams(max_tokens=250), request_ids=["early"])
+    stream = engine.stream(long)
+    await stream.__anext__()
+    await stream.aclose()
+    assert "early" in fake.aborts
+
+
+async def test_top_logprobs_add_the_sampled_token_and_prompt_logprobs(tiny_model) -> None:
+    engine, fake = make(tiny_model)
+    s = SamplingParams(temperature=0.0, max_tokens=3, top_logprobs=1, prompt_logprobs=1)
+    [c] = await engine.generate(GenerateRequest(prompt_token_ids=[[5, 6, 7]], sampling=s))
+    sent = fake.generate_calls[-1]
+    assert sent["return_logprob"] is True and sent["logprob_start_len"] == 0 and sent["top_logprobs_num"] == 1
+    assert c.logprobs is None  # not asked for
+    for t, top in zip(c.token_ids, c.top_logprobs, strict=True):  # k=1 plus the sampled token, sorted
+        assert [x.token_id for x in top] == [(t + 1) % fake.vocab_size, t]
+    assert c.prompt_logprobs == [None, -1.0, -1.0]
+    assert c.prompt_top_logprobs == [[]] + [[TokenLogprob(token_id=(t + 3) % fake.vocab_size, logprob=-0.75)]
+                                            for t in (6, 7)]
+    # No prompt logprobs asked: SGLang computes none (logprob_start_len=-1).
+    await engine.generate(GenerateRequest(prompt_token_ids=[[5]], sampling=SamplingParams(max_tokens=1, top_logprobs=0)))
+    assert fake.generate_calls[-1]["logprob_start_len"] == -1
+
+
+async def test_abort_by_id_and_all_return_partial_tokens(tiny_model) -> None:
+    import asyncio
+
+    engine, fake = make(tiny_model)
+    long = SamplingParams(temperature=0.0, max_tokens=250)
+    task = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=[[5], [6]], sampling=long,
+                                                                 request_ids=["r0", "r1"])))
+    await asyncio.sleep(0.05)
+    await engine.abort(["unknown", "r0"])
+    assert fake.aborts == ["r0"]  # unknown ids are not sent
+    await asyncio.sleep(0.02)
+    await engine.abort_all()
+    outs = await asyncio.wait_for(task, 5)
+    assert [c.finish_reason for c in outs] == ["abort", "abort"]
+    assert all(0 < len(c.token_ids) < 250 for c in outs) and [c.request_id for c in outs] == ["r0", "r1"]
+    assert None in fake.aborts
+    await engine.abort(["r0"])  # finished: ignored
+    await engine.abort_all()
+
+
+async def test_pause_modes_map_to_sglang(tiny_model) -> None:
+    import asyncio
+
+    engine, fake = make(tiny_model)
+    # wait: the request in flight finishes, then SGLang is paused in place; new ones are held.
+    task = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=[[5]],
+                                                                 sampling=SamplingParams(max_tokens=20))))
+    await asyncio.sleep(0.01)
+    await engine.pause("wait")
+    assert task.done() and task.result()[0].finish_reason == "length" and fake.pause_modes == ["in_place"]
+    held = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=[[5]], sampling=SamplingParams(max_tokens=2))))
+    await asyncio.sleep(0.05)
+    assert not held.done()
+    await engine.resume()
+    assert len((await held)[0].token_ids) == 2
+    # abort: SGLang's mode 'abort'; requests in flight come back aborted with their tokens.
+    task = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=[[5]],
+                                                                 sampling=SamplingParams(max_tokens=250))))
+    await asyncio.sleep(0.03)
+    await engine.pause("abort")
+    assert fake.pause_modes[-1] == "abort" and task.done()
+    out = task.result()[0]
+    assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 250
+    await engine.resume()
+    assert not fake.paused
+
+
+async def test_keep_push_resume_tags_tokens_with_their_weights(tiny_model) -> None:
+    import asyncio
+
+    engine, fake = make(tiny_model)
+    task = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=[[5, 6]],
+                                                                 sampling=SamplingParams(temperature=0.0, max_tokens=250))))
+    await asyncio.sleep(0.05)
+    await engine.pause("keep")
+    assert fake.pause_modes == ["retract"] and not task.done()
+    assert await push(engine, perturbed(checkpoint(tiny_model)), version=1) == 1
+    await engine.resume()
+    out = (await asyncio.wait_for(task, 10))[0]
+    versions = out.versions()
+    switch = versions.index(1)
+    assert 0 < switch < 250 and versions == [0] * switch + [1] * (250 - switch)
+    assert out.token_weight_versions == versions and out.weight_version == 1
+    assert out.token_ids[switch] != out.token_ids[0]  # the fake's tokens follow its weights
+
+
+async def test_continue_from_sends_prompt_and_earlier_tokens(tiny_model) -> None:
+    engine, fake = make(tiny_model)
+    s = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0)
+    first = await engine.generate(GenerateRequest(prompt_token_ids=[[5, 6], [9]], sampling=s))
+    await push(engine, perturbed(checkpoint(tiny_model)), version=4)
+    more = await engine.generate(GenerateRequest(prompt_token_ids=[[5, 6], [9]], sampling=s, continue_from=first))
+    assert fake.generate_calls[-1]["input_ids"] == [[5, 6, *first[0].token_ids], [9, *first[1].token_ids]]
+    for m, f in zip(more, first, strict=True):
+        assert m.token_ids[:3] == f.token_ids and len(m.token_ids) == 6 and m.prompt_token_ids == f.prompt_token_ids
+        assert m.versions() == [0] * 3 + [4] * 3 and m.weight_version == 4
+        assert m.logprobs == [-0.5] * 6
+    with pytest.raises(InvalidRequest, match="logprob"):
+        no_lp = await engine.generate(GenerateRequest(prompt_token_ids=[[5]], sampling=SamplingParams(max_tokens=1)))
+        await engine.generate(GenerateRequest(prompt_token_ids=[[5]], sampling=s, continue_from=no_lp))

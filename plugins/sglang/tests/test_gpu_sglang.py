@@ -1,7 +1,9 @@
 """SGLang on CUDA GPUs (real SGLang 0.5.17; skipped where SGLang or a GPU is missing).
 
-The conformance suite runs against a real SGLang engine here; the rest is what only SGLang on a
-GPU can show: sleep releases weights (generation refused until a push, then the original outputs
+The conformance suite runs against a real SGLang engine here (its async-RL tests included:
+request ids, stream == generate, abort with partial tokens, pause wait/keep across a push, top and
+prompt logprobs, continue_from), once more with SGLang's ``incremental_streaming_output`` (the
+other stream-chunk format); the rest is what only SGLang on a GPU can show: sleep releases weights (generation refused until a push, then the original outputs
 come back), every weight path (relayed CUDA IPC, disk, SGLang's own NCCL receive), small buckets
 not garbling weights (sglang#14178), greedy agreement with the transformers engine in float32,
 and tensor parallel 2.
@@ -15,7 +17,7 @@ import pytest
 import torch
 from rollout_engines import EngineConfig, GenerateRequest, SamplingParams, create_engine
 from rollout_engines.errors import WeightsInvalidated
-from rollout_engines.testing.conformance import BackendConformance
+from rollout_engines.testing.conformance import AsyncRLTests, BackendConformance
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
 from rollout_engines.weights.session import connect_weight_sync
 
@@ -59,6 +61,19 @@ class TestSglangConformance(BackendConformance):
     @classmethod
     def engine_config(cls, tiny_model):
         return EngineConfig(backend="sglang", model=str(tiny_model), dtype="bfloat16", options=OPTIONS)
+
+
+@pytest.mark.sglang
+@pytest.mark.gpu
+class TestSglangAsyncRLIncrementalStream(AsyncRLTests):
+    """The async-RL conformance tests (streaming, abort, pause modes, logprobs, continuation) with
+    SGLang streaming only the new tokens of each step (chunks then carry deltas, not totals)."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine_config(cls, tiny_model):
+        return EngineConfig(backend="sglang", model=str(tiny_model), dtype="bfloat16",
+                            options={**OPTIONS, "incremental_streaming_output": True})
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +194,21 @@ def test_tensor_parallel_2_pushes_reach_both_ranks(tiny_model, original):
         assert run(tokens(eng)) == reference
     finally:
         run(eng.close())
+
+
+def test_stream_aborted_midway_ends_with_an_abort_delta(engine):
+    async def go():
+        request = GenerateRequest(prompt_token_ids=[[5, 6, 7]], request_ids=["gpu-stream-abort"],
+                                  sampling=SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True,
+                                                          logprobs=0, top_logprobs=2))
+        got, last = [], None
+        async for d in engine.stream(request):
+            assert d.top_logprobs is not None and len(d.top_logprobs) == len(d.token_ids)
+            got.extend(d.token_ids)
+            last = d
+            if len(got) >= 8 and d.finish_reason is None:
+                await engine.abort(["gpu-stream-abort"])
+        return got, last
+
+    got, last = run(asyncio.wait_for(go(), 60))
+    assert last is not None and last.finish_reason == "abort" and 8 <= len(got) < 2000

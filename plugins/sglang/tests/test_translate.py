@@ -21,12 +21,10 @@ def test_every_sampling_field_is_mapped() -> None:
     }
     assert translate.logprob_kwargs(s) == {"return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 3}
     # Every field of the core's model is accounted for (a new field must be mapped here too).
-    handled_elsewhere = {"logprobs", "n"}  # request-level logprob args; prompt repetition
+    # Request-level logprob args (top_logprobs_num, logprob_start_len); prompt repetition.
+    handled_elsewhere = {"logprobs", "top_logprobs", "prompt_logprobs", "n"}
     mapped = {"temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "seed"}
-    # Not declared by this plugin (capabilities 'top_logprobs', 'prompt_logprobs'): the core refuses
-    # them with a CapabilityError before anything is translated.
-    undeclared = {"top_logprobs", "prompt_logprobs"}
-    assert set(SamplingParams.model_fields) == mapped | handled_elsewhere | undeclared
+    assert set(SamplingParams.model_fields) == mapped | handled_elsewhere
 
 
 def test_defaults_leave_optional_fields_out() -> None:
@@ -36,6 +34,9 @@ def test_defaults_leave_optional_fields_out() -> None:
     assert translate.logprob_kwargs(SamplingParams()) == {"return_logprob": False}
     # logprobs=0: only the sampled token's logprob.
     assert translate.logprob_kwargs(SamplingParams(logprobs=0))["top_logprobs_num"] == 0
+    # top_logprobs_num serves both; logprob_start_len=0 asks SGLang for the prompt's logprobs.
+    assert translate.logprob_kwargs(SamplingParams(top_logprobs=2, prompt_logprobs=5)) == {
+        "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 5}
 
 
 def test_n_is_expanded_prompt_major() -> None:
