@@ -166,17 +166,24 @@ class EngineGroup(_Router):
         # request id of an answered completion -> index of the member that produced it
         self._produced: OrderedDict[str, int] = OrderedDict()
 
-    async def _generate(self, request: GenerateRequest) -> list[Completion]:
-        deadline = None
-        failures = 0
-        task = asyncio.current_task()
-        assert task is not None
+    def _admit(self, request: GenerateRequest) -> tuple[Sequence[str], Any]:
+        """What :meth:`_generate` and :meth:`_stream` do before routing: start the health loop,
+        check the adapter, record the request's ids (the caller releases them with ``_leave``).
+        Returns the ids and the member a continuation prefers (its producer), if any."""
         if self._health_task is None and self.health_interval_s is not None:
             self._ensure_started()
         ids = request.request_ids or ()
         prefer = self._producer(request) if request.continue_from is not None else None
         self._check_lora(request)
         self._enter(ids)
+        return ids, prefer
+
+    async def _generate(self, request: GenerateRequest) -> list[Completion]:
+        deadline = None
+        failures = 0
+        task = asyncio.current_task()
+        assert task is not None
+        ids, prefer = self._admit(request)
         try:
             while True:
                 member, queue = self._pick(request, prefer)
@@ -234,12 +241,7 @@ class EngineGroup(_Router):
         the error (the deltas already delivered cannot be taken back)."""
         deadline = None
         failures = 0
-        if self._health_task is None and self.health_interval_s is not None:
-            self._ensure_started()
-        ids = request.request_ids or ()
-        prefer = self._producer(request) if request.continue_from is not None else None
-        self._check_lora(request)
-        self._enter(ids)
+        ids, prefer = self._admit(request)
         try:
             while True:
                 member, queue = self._pick(request, prefer)

@@ -186,7 +186,7 @@ def check_base(
     where = f"{label}: delta update v{manifest.version} (on top of v{spec.base_version}) refused"
     if base is None:
         raise DeltaBaseMismatch(f"{where}: this receiver has no recorded base (its last update was not a "
-                                "complete push of this session); push a full update")
+                                "complete push of this weight sync); push a full update")
     if base.version != spec.base_version or digest(base.fingerprints) != spec.base_digest:
         raise DeltaBaseMismatch(f"{where}: the engine is on v{base.version} with other weights than the delta's "
                                 "base; push a full update")

@@ -180,7 +180,7 @@ class WeightSync:
         with nothing applied, or :class:`WeightSyncError` (and subclasses) for what failed in flight.
 
         ``delta`` (default: the session's ``delta``): send only the tensors that changed since the
-        last complete update of this session, sparse where smaller (:mod:`.delta`); the first push,
+        last complete update of this weight sync, sparse where smaller (:mod:`.delta`); the first push,
         and the one after any failure or refusal (:class:`~.delta.DeltaBaseMismatch`), is full.
         ``delta=False`` always sends everything (and, once the session tracks, records it as the base).
         """
@@ -263,7 +263,7 @@ class WeightSync:
             raise WeightSyncError("this weight sync session is closed; connect a new one")
         unable = [e.backend_name for e in self.engines if not e.capabilities.lora]
         if unable:  # before anything is sent: the session stays usable for full pushes
-            raise CapabilityError(f"engine(s) {unable} of this session cannot load LoRA adapters (capability 'lora')")
+            raise CapabilityError(f"engine(s) {unable} of this weight sync cannot load LoRA adapters (capability 'lora')")
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         manifest = plan_manifest(
             specs_of(items), version=version, bucket_bytes=self.bucket_bytes, transport=self.transport,

@@ -20,7 +20,6 @@ from rollout_engines.errors import InvalidRequest, ManifestMismatch, StaleVersio
 from rollout_engines.testing.conformance import LoraTests
 from rollout_engines.testing.tiny_model import qwen2_tensor_shapes
 from rollout_engines.types import LoraSpec
-from rollout_engines.weights.checkpoint import load_checkpoint
 from rollout_engines.weights.session import connect_weight_sync
 from trainer_proc import update
 
@@ -36,11 +35,6 @@ def engine(tiny_model):
     eng = create_engine("vllm", model=str(tiny_model), dtype="float32", enable_lora=True, max_lora_rank=16, max_loras=2)
     yield eng
     asyncio.run(eng.close())
-
-
-@pytest.fixture(scope="module")
-def original(tiny_model):
-    return load_checkpoint(tiny_model)
 
 
 @pytest.fixture(scope="module")

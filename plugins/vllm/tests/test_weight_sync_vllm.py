@@ -15,7 +15,6 @@ import pytest
 import torch
 from rollout_engines import GenerateRequest, SamplingParams, create_engine
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
-from rollout_engines.weights.checkpoint import load_checkpoint
 from rollout_engines.weights.manifest import TransportSpec, plan_manifest, specs_of
 from rollout_engines.weights.session import connect_weight_sync
 from trainer_proc import SESSION, trainer_main, update
@@ -32,11 +31,6 @@ def engine(tiny_model):
     eng = create_engine("vllm", model=str(tiny_model), dtype="float32")
     yield eng
     asyncio.run(eng.close())
-
-
-@pytest.fixture(scope="module")
-def original(tiny_model):
-    return load_checkpoint(tiny_model)
 
 
 @pytest.fixture(scope="module")
