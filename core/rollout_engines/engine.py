@@ -201,6 +201,12 @@ class Engine(EngineProtocol):
     async def _reset_prefix_cache(self) -> None:
         return None
 
+    async def _forget_cached_prefixes(self) -> None:
+        """After a weight update: make sure no prefix computed with the old weights is reused. The
+        default resets the prefix cache; a backend that keys its cache by weight version (vLLM's
+        ``prefix_cache_isolation="salt"``) has nothing to do."""
+        await self._reset_prefix_cache()
+
     async def _pause(self, mode: PauseMode) -> None:
         return None
 
@@ -505,7 +511,7 @@ class Engine(EngineProtocol):
             )
         self.weight_version = manifest.version
         self._weights_invalid = None
-        await self._reset_prefix_cache()
+        await self._forget_cached_prefixes()
         return self.weight_version
 
     async def close_weight_transfer(self) -> None:

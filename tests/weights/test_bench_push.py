@@ -25,6 +25,21 @@ def test_push_benchmark_times_pushes_that_land(tiny_model):
 
 
 @pytest.mark.transformers
+def test_lora_push_benchmark_pushes_adapters_that_land(tiny_model):
+    """``--lora-rank``: the timed pushes are adapter pushes, sized by the rank; the engine lists the
+    last version and the adapter changes greedy outputs (exact on the tiny float32 model)."""
+    from rollout_engines.bench.push import run
+
+    result = run({"backend": "transformers", "model": str(tiny_model), "pushes": 3, "transport": "shm",
+                  "lora_rank": 4, "option": ["dtype=\"float32\""]})
+    assert result["adapter_listed"] is True and result["adapter_changed_outputs"] is True
+    assert result["lora_rank"] == 4 and result["lora_targets"] == ["q_proj", "v_proj"]
+    assert result["tensors"] > 0 and result["tensors"] % 2 == 0  # one A and one B per target module
+    # rank 4, float32: A is [4, in] and B is [out, 4] for every module; far below the full state
+    assert 0 < result["bytes"] < 1_000_000 and result["push_s"] > 0
+
+
+@pytest.mark.transformers
 def test_diagnostics_after_a_push(tiny_model):
     """``diagnostics()`` reports the last update by phase, the platform and the weights' dtype."""
     import asyncio

@@ -307,14 +307,19 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     from ..factory import create_engine
     from ..weights.checkpoint import load_checkpoint, perturbed
     from ..weights.session import connect_weight_sync
-    from .common import parse_options
+    from .common import parse_options, push_weights
 
     engine = await asyncio.to_thread(create_engine, args.backend, args.model, **parse_options(args))
     try:
         caps = engine.capabilities
-        transport = args.transport or ("inproc" if "inproc" in caps.transports else caps.transports[0])
-        original = load_checkpoint(args.model)
-        states = [original, perturbed(original)]
+        if args.transport is None and "inproc" in caps.transports:
+            transport = "inproc"
+            original = load_checkpoint(args.model)
+            states = [original, perturbed(original)]
+        else:  # the engine's dtype, on the device the transport sends from (cuda_ipc on a GPU)
+            weights = await push_weights(engine, args.model, args.transport)
+            transport, original = weights.transport, weights.original
+            states = [original, weights.changed]
         embed = next((t for n, t in original.items() if n.endswith("embed_tokens.weight")), None)
         vocab = int(embed.shape[0]) if embed is not None else 4000
         step_requests = args.step_requests

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generate-between", action="store_true",
                         help="generate a small batch after every push (untimed), as an RL loop does, so each "
                         "push also pays the engine's prefix-cache reset")
+    parser.add_argument("--lora-rank", type=int, default=None,
+                        help="push a LoRA adapter of this rank (WeightSync.push_lora) instead of the full weights; "
+                        "vLLM needs --option enable_lora=true and max_lora_rank >= the rank")
 
 
 def _phases(diagnostics: Diagnostics, push_s: float) -> dict[str, float]:
@@ -64,6 +67,8 @@ def _phases(diagnostics: Diagnostics, push_s: float) -> dict[str, float]:
 
 
 def run(args: Any) -> dict[str, Any]:
+    if arg(args, "lora_rank", None) is not None:
+        return run_lora(args)
     import torch
 
     from ..factory import create_engine
@@ -146,3 +151,79 @@ def run(args: Any) -> dict[str, Any]:
                             for k in (phases[0] if phases else {})},
     }
 
+
+def run_lora(args: Any) -> dict[str, Any]:
+    """``--lora-rank R``: pushes of one adapter (PEFT names, random non-zero ``A`` and ``B``, every
+    ``q_proj``/``v_proj`` or the model's first two projections) alternating two sets of tensors under
+    increasing adapter versions. Verified by the engine's adapter listing (``info().loras`` names
+    the last version) and by greedy tokens with the adapter differing from the base model's
+    (null where greedy tokens are not reproducible, as on real-size random models on a GPU)."""
+    import torch
+
+    from ..factory import create_engine
+    from ..types import GenerateRequest, SamplingParams
+    from ..weights.lora import make_lora
+    from ..weights.session import connect_weight_sync
+
+    backend = arg(args, "backend", "vllm")
+    model = model_path(args)
+    pushes = max(1, int(arg(args, "pushes", 6)))
+    rank = int(arg(args, "lora_rank", 16))
+    bucket_bytes = int(float(arg(args, "bucket_mb", 512)) * 2**20)
+    checksum = arg(args, "checksum", "pos64")
+    options, transport_options = split_transport_options(parse_options(args))
+    engine = create_engine(backend, model=model, **options)
+    try:
+        weights = asyncio.run(push_weights(engine, model, arg(args, "transport", None)))
+        transport = weights.transport
+        spec, first = make_lora(weights.original, "bench-lora", rank=rank, seed=1)
+        _, second = make_lora(weights.original, "bench-lora", rank=rank, seed=2)
+        sets = [{k: v.to(weights.device) for k, v in t.items()} for t in (first, second)]
+        weights.changed = {}  # not pushed here: give the memory back
+        lora_bytes = sum(t.numel() * t.element_size() for t in sets[0].values())
+        probe = GenerateRequest(prompt_token_ids=[[11, 12, 13, 14]], sampling=SamplingParams(temperature=0, max_tokens=8))
+
+        async def go() -> tuple[list[float], bool, bool | None]:
+            base = [c.token_ids for c in await engine.generate(probe)]
+            sync = await connect_weight_sync([engine], transport, bucket_bytes=bucket_bytes, timeout_s=600,
+                                             checksum=checksum, options=transport_options)
+            times: list[float] = []
+            try:
+                for i in range(pushes):
+                    if weights.device == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    await sync.push_lora(spec, sets[i % 2], version=i + 1)
+                    times.append(time.perf_counter() - t0)
+            finally:
+                await sync.close()
+            listed = (await engine.info()).loras == {spec.name: pushes}
+            adapted = [c.token_ids for c in await engine.generate(probe.model_copy(update={"lora": spec.name}))]
+            again = [c.token_ids for c in await engine.generate(probe)]
+            changed = (adapted != base) if again == base else None  # None: greedy tokens not reproducible
+            await engine.unload_lora(spec.name)
+            return times, listed, changed
+
+        times, listed, changed = asyncio.run(go())
+    finally:
+        asyncio.run(engine.close())
+    later = times[1:] or times
+    return {
+        "backend": backend,
+        "model": model,
+        "platform": "cuda" if weights.gpu else "cpu",
+        "transport": transport,
+        "lora_rank": rank,
+        "lora_targets": list(spec.target_modules),
+        "bytes": lora_bytes,
+        "tensors": len(sets[0]),
+        "pushes": pushes,
+        "first_push_s": round(times[0], 4),
+        "push_s": round(statistics.median(later), 4),
+        "best_push_s": round(min(later), 4),
+        "gbps": round(lora_bytes / statistics.median(later) / 1e9, 3),
+        "adapter_listed": listed,
+        "adapter_changed_outputs": changed,
+        "checksum": checksum,
+        "options": options,
+    }

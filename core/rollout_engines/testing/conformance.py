@@ -541,38 +541,7 @@ class WeightUpdateTests(ConformanceBase):
 
 
 # ---- LoRA adapters ----------------------------------------------------------------------------
-#: Module names the suite's adapters target, where the model has them (else the first two
-#: projection-like linear layers it finds inside its decoder layers).
-LORA_TARGETS = ("q_proj", "v_proj")
-
-
-def lora_targets(weights: dict[str, Any]) -> list[str]:
-    """Module names (last components) an adapter of this model can target."""
-    found = sorted({n[: -len(".weight")].rsplit(".", 1)[-1] for n, t in weights.items()
-                    if n.endswith(".weight") and t.dim() == 2 and ".layers." in n})
-    preferred = [m for m in LORA_TARGETS if m in found]
-    return preferred or [m for m in found if m.endswith("proj")][:2] or found[:2]
-
-
-def make_lora(weights: dict[str, Any], name: str, *, rank: int = 8, seed: int = 0,
-              targets: list[str] | None = None) -> tuple[Any, dict[str, Any]]:
-    """A LoRA adapter for the model whose checkpoint is ``weights``: deterministic random ``A``
-    and ``B`` (``B`` non-zero, unlike a fresh PEFT adapter, so it changes outputs), PEFT names, in
-    the checkpoint's dtype. Returns ``(LoraSpec, tensors)``."""
-    import torch
-
-    from ..types import LoraSpec
-    from ..weights.lora import lora_expected_specs
-    from ..weights.manifest import TensorSpec
-
-    spec = LoraSpec(name=name, rank=rank, alpha=2.0 * rank, target_modules=targets or lora_targets(weights))
-    base = {n: TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
-            for n, t in weights.items() if t.dim() == 2}
-    dtype = next(t.dtype for t in weights.values() if t.is_floating_point())
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {n: torch.randn(*e.shape, generator=gen).to(dtype) for n, e in
-               lora_expected_specs(base, spec, "float32").items()}
-    return spec, tensors
+from ..weights.lora import LORA_TARGETS, lora_targets, make_lora  # noqa: E402,F401  (tests import them from here)
 
 
 class LoraTests(ConformanceBase):

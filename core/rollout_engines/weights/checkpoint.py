@@ -86,14 +86,20 @@ def load_checkpoint(model_path: str | Path, dtype: torch.dtype | None = None) ->
 
 
 def perturbed(tensors: dict[str, torch.Tensor], scale: float = 0.5, seed: int = 1) -> dict[str, torch.Tensor]:
-    """A copy with seeded noise added to every floating tensor: a different but valid model."""
+    """A copy with seeded noise added to every floating tensor: a different but valid model. The
+    noise is drawn on each tensor's device (a GPU perturbs a 14B-shape state in seconds; the CPU
+    takes minutes), so the same seed gives different noise on different devices."""
     import torch
-    gen = torch.Generator().manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}
     out = {}
     for name, t in tensors.items():
         if t.is_floating_point():
-            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32) * scale * (t.float().std() + 1e-3)
-            out[name] = (t.float() + noise).to(t.dtype)
+            gen = gens.get(t.device)
+            if gen is None:
+                gen = gens[t.device] = torch.Generator(device=t.device).manual_seed(seed)
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32, device=t.device)
+            out[name] = (t.float() + noise.mul_(scale * (t.float().std() + 1e-3))).to(t.dtype)
+            del noise
         else:
             out[name] = t.clone()
     return out

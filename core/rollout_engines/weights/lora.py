@@ -188,7 +188,36 @@ def load_peft_adapter(path: str | Path, name: str) -> tuple[LoraSpec, dict[str, 
     return spec, load_file(str(file))
 
 
+# ---- test and benchmark adapters -------------------------------------------------------------------
+#: Module names :func:`make_lora`'s adapters target, where the model has them (else the first two
+#: projection-like linear layers it finds inside its decoder layers).
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def lora_targets(weights: Mapping[str, torch.Tensor]) -> list[str]:
+    """Module names (last components) an adapter of this model can target."""
+    found = sorted({n[: -len(".weight")].rsplit(".", 1)[-1] for n, t in weights.items()
+                    if n.endswith(".weight") and t.dim() == 2 and ".layers." in n})
+    preferred = [m for m in LORA_TARGETS if m in found]
+    return preferred or [m for m in found if m.endswith("proj")][:2] or found[:2]
+
+
+def make_lora(weights: Mapping[str, torch.Tensor], name: str, *, rank: int = 8, seed: int = 0,
+              targets: list[str] | None = None) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """A LoRA adapter for the model whose checkpoint is ``weights``: deterministic random ``A``
+    and ``B`` (``B`` non-zero, unlike a fresh PEFT adapter, so it changes outputs), PEFT names, in
+    the checkpoint's dtype, on the CPU. For tests and benchmarks. Returns ``(LoraSpec, tensors)``."""
+    spec = LoraSpec(name=name, rank=rank, alpha=2.0 * rank, target_modules=targets or lora_targets(weights))
+    base = {n: TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
+            for n, t in weights.items() if t.dim() == 2}
+    dtype = next(t.dtype for t in weights.values() if t.is_floating_point())
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {n: torch.randn(*e.shape, generator=gen).to(dtype) for n, e in
+               lora_expected_specs(base, spec, "float32").items()}
+    return spec, tensors
+
+
 __all__ = [
-    "PEFT_PREFIX", "LoraTarget", "load_peft_adapter", "lora_expected_specs", "lora_problem", "module_of",
-    "receive_lora", "split_adapter", "target_weights",
+    "LORA_TARGETS", "PEFT_PREFIX", "LoraTarget", "load_peft_adapter", "lora_expected_specs", "lora_problem",
+    "lora_targets", "make_lora", "module_of", "receive_lora", "split_adapter", "target_weights",
 ]

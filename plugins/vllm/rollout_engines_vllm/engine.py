@@ -130,6 +130,16 @@ class VllmOptions(BaseModel):
         description="CUDA: learn where each tensor lands on the first push, then load later pushes "
         "by direct copies (rollout_engines_vllm.copy_plan) instead of vLLM's per-tensor loaders.",
     )
+    prefix_cache_isolation: Literal["reset", "salt"] = Field(
+        default="reset",
+        description="How prefixes computed with older weights are kept from being reused after a push. "
+        "'reset': vLLM's prefix cache is reset after every update (it walks every cached block; "
+        "requests running at the time, e.g. paused with mode 'keep', are preempted and recomputed "
+        "with the new weights). 'salt': every request carries vLLM's cache_salt for the weight "
+        "version it starts under, so old entries can never match and no reset is needed; requests "
+        "kept across a push continue on the KV cache of the version they started under (vLLM's "
+        "'keep' semantics), and old entries age out of the cache as it fills.",
+    )
     pause_mode: Literal["keep", "wait", "abort"] | None = Field(
         default=None, description="Deprecated and ignored: pause(mode) says what happens to in-flight requests."
     )
@@ -515,14 +525,17 @@ class VllmEngine(Engine):
         rids = request.sequence_ids()
         priors = request.continue_from
         check_continuations(request)
+        salt = f"roe-weights-v{self.weight_version}" if self.options.prefix_cache_isolation == "salt" else None
         seqs = []
         for i, ids in enumerate(prompts):
             prior = priors[i] if priors is not None else None
             prompt_len = None
-            prompt = {"prompt_token_ids": ids}
+            prompt: dict[str, Any] = {"prompt_token_ids": ids}
             if prior is not None:
                 prompt_len = len(ids)
                 prompt = {"prompt_token_ids": [*ids, *prior.token_ids]}
+            if salt is not None:
+                prompt["cache_salt"] = salt
             for k in range(s.n):
                 index = i * s.n + k
                 seed = None if s.seed is None else (s.seed + index + 2**63) % 2**64 - 2**63
@@ -801,6 +814,12 @@ class VllmEngine(Engine):
                 self._cache.reset_done(submitted)
         finally:
             self._last_reset_s = round(time.perf_counter() - start, 6)
+
+    async def _forget_cached_prefixes(self) -> None:
+        if self.options.prefix_cache_isolation == "salt":
+            self._last_reset_s = 0.0  # new requests carry the new version's salt: nothing to reset
+            return
+        await self._reset_prefix_cache()
 
     async def _reset_prefix_cache_now(self) -> bool:
         llm = self._llm

@@ -188,6 +188,29 @@ async def test_no_stale_prefix_cache_after_push(engine, original, tiny_model):
     assert await tokens(engine, req) == before
 
 
+async def test_salted_prefix_cache_needs_no_reset_after_a_push(tiny_model, original):
+    """``prefix_cache_isolation="salt"``: each request carries vLLM's ``cache_salt`` for the weight
+    version it starts under, so the blocks a long prompt cached under v0 cannot serve it under v1,
+    and the push skips the reset (``last_reset_s`` 0.0) although requests were generated."""
+    eng = await asyncio.to_thread(create_engine, "vllm", str(tiny_model), dtype="float32",
+                                  prefix_cache_isolation="salt")
+    try:
+        prompt = [[(i * 41) % 4000 + 10 for i in range(300)]]
+        req = GenerateRequest(prompt_token_ids=prompt, sampling=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        before = await tokens(eng, req)
+        assert await tokens(eng, req) == before  # now cached under v0's salt
+        await push(eng, update(str(tiny_model)), 1)
+        assert (await eng.diagnostics()).last_reset_s == 0.0
+        after = await tokens(eng, req)
+        await eng.reset_prefix_cache()  # an explicit reset still resets
+        assert (await eng.diagnostics()).last_reset_s > 0
+        assert after == await tokens(eng, req) and after != before
+        await push(eng, original, 2)
+        assert await tokens(eng, req) == before
+    finally:
+        await eng.close()
+
+
 async def test_prefix_cache_reset_after_a_push_is_skipped_only_when_nothing_was_generated(engine, original, request_):
     """vLLM's reset walks every KV block (~10 ms on a big GPU): after a push it runs when requests
     were submitted since the last reset, and is skipped when none were (nothing can be cached)."""
