@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -86,13 +87,21 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("give the benchmark command after --")
     start = time.perf_counter()
+    # Its own process group: on a timeout the engine processes it started (vLLM's engine core,
+    # SGLang's scheduler) go too, instead of keeping their GPU memory from the next command.
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-        rc, out, err = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc = 124
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        err = (exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")) + "\ntimed out"
+        out, err = proc.communicate(timeout=args.timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        rc, err = 124, err + "\ntimed out"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left behind
+        except ProcessLookupError:
+            pass
     wall = time.perf_counter() - start
     if args.logs:
         logs = Path(args.logs)

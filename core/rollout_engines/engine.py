@@ -218,6 +218,7 @@ class Engine(EngineProtocol):
                 request_id=c.request_id, prompt_index=c.prompt_index, sample_index=c.sample_index,
                 token_ids=c.token_ids, logprobs=c.logprobs, top_logprobs=c.top_logprobs,
                 weight_version=c.weight_version, finish_reason=c.finish_reason,
+                lora=c.lora, lora_version=c.lora_version,
             )
 
     async def _abort(self, request_ids: Sequence[str] | None) -> None:

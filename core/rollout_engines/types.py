@@ -426,6 +426,8 @@ class StreamDelta(_Model):
     top_logprobs: list[list[TokenLogprob]] | None = None
     weight_version: int
     finish_reason: FinishReason | None = Field(default=None, description="Set on the last delta of a sequence.")
+    lora: str | None = Field(default=None, description="The LoRA adapter generating these tokens (GenerateRequest.lora).")
+    lora_version: int | None = Field(default=None, description="That adapter's version.")
 
 
 class EngineInfo(_Model):

@@ -544,6 +544,11 @@ class WeightUpdateTests(ConformanceBase):
 from ..weights.lora import LORA_TARGETS, lora_targets, make_lora  # noqa: E402,F401  (tests import them from here)
 
 
+async def collect_stream(engine: EngineProtocol, request: GenerateRequest) -> list[Any]:
+    """Every delta ``engine.stream(request)`` yields."""
+    return [d async for d in engine.stream(request)]
+
+
 class LoraTests(ConformanceBase):
     """Adapters pushed with ``WeightSync.push_lora`` (capability ``lora``)."""
 
@@ -689,6 +694,24 @@ class LoraTests(ConformanceBase):
         self.push(slot, original_weights, v0 + 2)
         assert tokens_of(self.generate(slot, prompt_ids, lora="conf-a")) == adapted
         assert tokens_of(self.generate(slot, prompt_ids)) == reference
+
+    def test_stream_deltas_name_the_adapter(self, slot: EngineSlot, lora_engine: EngineProtocol, prompt_ids: list[list[int]], original_weights: dict[str, Any]) -> None:
+        engine = lora_engine
+        need(engine, "streaming")
+        spec, tensors = make_lora(original_weights, "conf-stream", seed=6)
+        self.push_lora(slot, spec, tensors, 3)
+        request = GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(6), lora="conf-stream",
+                                  request_ids=[f"lora-stream-{i}" for i in range(len(prompt_ids))])
+        outs = slot.run(engine.generate(request))
+
+        deltas = slot.run(collect_stream(engine, request))
+        assert deltas and all(d.lora == "conf-stream" and d.lora_version == 3 for d in deltas)
+        got: dict[str, list[int]] = {}
+        for d in deltas:
+            got.setdefault(d.request_id, []).extend(d.token_ids)
+        assert got == {c.request_id: c.token_ids for c in outs}
+        base = slot.run(collect_stream(engine, request.model_copy(update={"lora": None, "request_ids": [f"base-stream-{i}" for i in range(len(prompt_ids))]})))
+        assert base and all(d.lora is None and d.lora_version is None for d in base)
 
     def test_unknown_adapter_is_an_invalid_request(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
         expected: type[Exception] = InvalidRequest if engine.capabilities.lora else CapabilityError

@@ -800,6 +800,8 @@ class TransformersEngine(Engine):
                     if row.top is not None else None,
                     weight_version=versions[b - 1] if b else (row.all_versions() or [self._model_version])[-1],
                     finish_reason=row.finish if final else None,
+                    lora=row.lora.name if row.lora is not None else None,
+                    lora_version=row.lora.version if row.lora is not None else None,
                 ))
                 row.delivered = b
                 row.final_sent = row.final_sent or final
