@@ -39,6 +39,7 @@ from .buckets import (
     pack_bucket,
 )
 from .delta import DeltaBaseMismatch, DeltaPlan, DeltaTracker
+from .fp8 import Quantization
 from .manifest import (
     DEFAULT_BUCKET_BYTES,
     ChecksumKind,
@@ -166,6 +167,7 @@ class WeightSync:
         partial: bool = False,
         allow_rollback: bool = False,
         delta: bool | None = None,
+        quantize: Quantization | None = None,
     ) -> int:
         """Send one complete update to every engine; returns ``version`` once all applied it.
 
@@ -183,6 +185,11 @@ class WeightSync:
         last complete update of this weight sync, sparse where smaller (:mod:`.delta`); the first push,
         and the one after any failure or refusal (:class:`~.delta.DeltaBaseMismatch`), is full.
         ``delta=False`` always sends everything (and, once the session tracks, records it as the base).
+
+        ``quantize="fp8_block"``: quantize here, on the tensors' own device, before bucketing, for
+        engines that serve an FP8 block copy (:mod:`.fp8`): each quantized ``x.weight`` travels as
+        float8_e4m3fn plus ``x.weight_scale_inv``, half the bytes. Without it such engines quantize
+        the BF16 tensors in their workers. Not combined with ``delta``.
         """
         if self._closed:
             raise WeightSyncError("this weight sync session is closed; connect a new one")
@@ -198,6 +205,16 @@ class WeightSync:
         plan: DeltaPlan | None = None
         if delta is None:
             delta = self.delta
+        if quantize is not None:
+            from .fp8 import quantize_named, quantized_specs
+
+            if quantize != "fp8_block":
+                raise ValueError(f"quantize={quantize!r}: the one format is 'fp8_block'")
+            if delta or self._tracker is not None:
+                raise ValueError("quantize= is not combined with delta pushes; connect without delta=True")
+            items = quantize_named(items)
+            if specs is not None:
+                specs = quantized_specs(specs)
         if delta and self._tracker is None:
             sparse_ok = self.transport not in _WHOLE_ONLY
             self._tracker = DeltaTracker(device=self.delta_device, sparse=sparse_ok)

@@ -125,6 +125,14 @@ class VllmOptions(BaseModel):
         "update); 'inplace': load bucket by bucket, refuse generation if an update fails midway "
         "(CUDA only: on CPU, where weights load through reload_weights, updates are always staged).",
     )
+    weight_quantization: Literal["none", "fp8_block"] = Field(
+        default="none",
+        description="'fp8_block': serve an FP8 copy of the (BF16) checkpoint, e4m3 weights with 128x128 "
+        "block scales as in Qwen3/DeepSeek FP8 checkpoints (built once into the cache, "
+        "rollout_engines.weights.fp8); pushes carry BF16 (quantized in the workers) or FP8 "
+        "(WeightSync.push(quantize='fp8_block')). Named apart from vLLM's own 'quantization', which "
+        "says how to read a checkpoint and still passes through.",
+    )
     copy_plan: bool = Field(
         default=True,
         description="CUDA: learn where each tensor lands on the first push, then load later pushes "
@@ -389,6 +397,20 @@ class VllmEngine(Engine):
             _SLEEP_MODE_ENGINES.add(self)
             self._sleep_registered = True
 
+    def _served_model(self) -> str:
+        """The checkpoint vLLM loads: the model, or its FP8 block copy (``weight_quantization``)."""
+        if self.options.weight_quantization == "none":
+            return self.config.model
+        from rollout_engines.weights.fp8 import fp8_block_checkpoint_cached
+
+        from .checkpoint import resolve_model_dir
+
+        start = time.perf_counter()
+        path = fp8_block_checkpoint_cached(resolve_model_dir(self.config.model))
+        logger.info("serving the FP8 block copy %s of %s (%.1f s to find or build)", path, self.config.model,
+                    time.perf_counter() - start)
+        return str(path)
+
     def engine_args(self) -> Any:
         """The ``vllm.AsyncEngineArgs`` this engine starts with."""
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -397,7 +419,7 @@ class VllmEngine(Engine):
         cpu = self.platform == "cpu"
         kwargs: dict[str, Any] = dict(opts.model_extra or {})
         kwargs.update(
-            model=cfg.model,
+            model=self._served_model(),
             tokenizer=cfg.tokenizer or cfg.model,
             dtype=cfg.dtype if cfg.dtype != "auto" else (checkpoint_dtype(cfg.model) or "auto"),
             seed=cfg.seed,
@@ -661,6 +683,8 @@ class VllmEngine(Engine):
                 logprobs=seq.logprobs[lo:hi] if seq.want_logprobs else None,
                 top_logprobs=seq.top[lo:hi] if seq.want_top else None,
                 weight_version=seq.versions[hi - 1] if hi > lo else last,
+                lora=seq.lora.name if seq.lora is not None else None,
+                lora_version=seq.lora.version if seq.lora is not None else None,
             ))
         if final:
             deltas[-1].finish_reason = seq.finish

@@ -19,6 +19,13 @@ from typing import Any
 import torch
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
 from rollout_engines.proxy import WireError, raise_for_workers
+from rollout_engines.weights.fp8 import (
+    SCALE_SUFFIX,
+    is_fp8_form,
+    quantize_named,
+    read_block_config,
+    spec_forms,
+)
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, manifest_from_wire
 from rollout_engines.weights.receiver import WeightReceiver
 
@@ -48,7 +55,7 @@ class VllmWeightTarget:
         self.worker = worker
         model_config = worker.model_config
         dtype = str(model_config.dtype).removeprefix("torch.")
-        self._specs = checkpoint_specs(resolve_model_dir(model_config.model), runtime_dtype=dtype)
+        model_dir = resolve_model_dir(model_config.model)
         model = worker.model_runner.get_model()
         self.packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
         from vllm.platforms import current_platform
@@ -56,16 +63,59 @@ class VllmWeightTarget:
         self.use_reload = current_platform.is_cpu() and hasattr(worker, "reload_weights")
         self.use_copy_plan = copy_plan and not self.use_reload
         self.plan: Any = None
+        #: An FP8 block engine (option ``weight_quantization``): pushes come in BF16 (quantized here)
+        #: or already quantized; ``select`` picks the form a manifest is checked against.
+        self.fp8: Any = None
+        self._forms: tuple[dict[str, TensorSpec], dict[str, TensorSpec]] | None = None
+        self._quantized: frozenset[str] = frozenset()  # the weights the engine holds in FP8
+        block = read_block_config(model_dir)
+        if block is None:
+            self._specs = checkpoint_specs(model_dir, runtime_dtype=dtype)
+        else:
+            self._forms = spec_forms(checkpoint_specs(model_dir), dtype)
+            self._specs = self._forms[0]
+            self._quantized = frozenset(n.removesuffix(SCALE_SUFFIX) for n in self._forms[1] if n.endswith(SCALE_SUFFIX))
+            if not self.use_reload:
+                from .fp8_apply import Fp8BlockApplier
+
+                self.fp8 = Fp8BlockApplier(worker, block)
+
+    @property
+    def quantized(self) -> frozenset[str]:
+        """Names of the weights this engine holds in FP8 (empty unless it serves an FP8 copy)."""
+        return self._quantized
+
+    def select(self, manifest: WeightManifest) -> None:
+        """Check ``manifest`` against the form it comes in (FP8 engines: BF16, or FP8 with scales)."""
+        if self._forms is not None:
+            self._specs = self._forms[1] if is_fp8_form(t.name for t in manifest.tensors) else self._forms[0]
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
         return self._specs
 
     def group_problems(self, manifest: WeightManifest) -> list[str]:
+        names = {t.name for t in manifest.tensors}
+        problems = []
+        if self._forms is not None and is_fp8_form(names):  # a weight and its scales travel together
+            problems += [f"'{n}' comes without '{n.removesuffix(SCALE_SUFFIX)}'" for n in sorted(names)
+                         if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) not in names]
+            problems += [f"'{n}' comes without its scales '{n}{SCALE_SUFFIX}'" for n in sorted(names)
+                         if n + SCALE_SUFFIX in self._specs and n + SCALE_SUFFIX not in names]
         if not self.use_reload:  # direct loading fills fused parameters slice by slice
-            return []
-        return incomplete_groups((t.name for t in manifest.tensors), self._specs, self.packed)
+            return problems
+        return problems + incomplete_groups(names, self._specs, self.packed)
 
     def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
+        if self.fp8 is not None:
+            # Quantized layers: written (and quantized) straight into the running FP8 parameters.
+            quant = [(n, t) for n, t in named if n.removesuffix(SCALE_SUFFIX) in self._quantized]
+            if quant:
+                self.fp8.apply(quant)
+                named = [(n, t) for n, t in named if n.removesuffix(SCALE_SUFFIX) not in self._quantized]
+            if not named:
+                return
+        elif self._forms is not None and not is_fp8_form(n for n, _ in named):
+            named = list(quantize_named(named))  # reload_weights takes the checkpoint's (FP8) form
         if not owned and not self.use_copy_plan:
             # Views of a transport slot (or of the trainer's tensors) that change after this call:
             # vLLM's loaders may keep what they are given.
@@ -150,8 +200,9 @@ class WorkerExtension:
         total, absolute, count = 0.0, 0.0, 0
         with torch.no_grad():
             for _, p in self.model_runner.get_model().named_parameters():
-                total += float(p.double().sum())
-                absolute += float(p.double().abs().sum())
+                d = p.float().double()  # float8 weights (FP8 engines) convert through float32
+                total += float(d.sum())
+                absolute += float(d.abs().sum())
                 count += p.numel()
         return {"sum": total, "abs_sum": absolute, "numel": count}
 
@@ -179,6 +230,10 @@ class WorkerExtension:
                 # see modules split across buckets half loaded. Stage the whole update instead.
                 logger.info("weight_apply_mode 'inplace' is not possible with reload_weights; staging")
                 mode = "staged"
+            fp8 = state["target"].fp8
+            if mode == "inplace" and fp8 is not None and not fp8.direct(state["target"].quantized):
+                logger.info("FP8 weights load through reload_weights here (see fp8_apply); staging updates")
+                mode = "staged"
             device = "cpu" if spec.transport in HOST_TRANSPORTS else getattr(self, "device", "cpu")
             rank = int(getattr(self, "rank", 0))
             receiver = WeightReceiver(state["target"], device=device, mode=mode, label=f"vllm worker {rank}")  # type: ignore[arg-type]
@@ -202,6 +257,7 @@ class WorkerExtension:
             else:
                 manifest = manifest_from_wire(wire)
             target: VllmWeightTarget = state["target"]
+            target.select(manifest)
             problems = target.group_problems(manifest)
             if problems:
                 receiver.target = _RejectAll()
