@@ -992,7 +992,12 @@ class VllmEngine(Engine):
         return not bool(getattr(self._llm, "errored", False))
 
     def _extra_info(self) -> dict[str, Any]:
+        with self._seqs_lock:
+            running = sum(1 for q in self._seqs.values() if q.started and not q.done)
         return {
+            # vLLM steps every request it holds unless paused: what bench async's EngineSampler reads
+            "running_rows": running,
+            "frozen": self._vllm_paused,
             "platform": self.platform,
             "sleep_mode": self.sleep_mode,
             "workers": getattr(self, "_workers", []),

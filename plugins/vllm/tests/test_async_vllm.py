@@ -191,13 +191,19 @@ async def test_stream_across_a_keep_pause_and_push(engine, tiny_model):
             finish = d.finish_reason
             if not paused and len(tokens) >= 5:
                 paused = True
+                # what bench async's EngineSampler reads: vLLM holds one request, then it is frozen
+                running = (await engine.info()).extra
+                assert running["running_rows"] == 1 and running["frozen"] is False
                 await engine.pause("keep")
+                assert (await engine.info()).extra["frozen"] is True
                 assert await push(perturbed(original), v0 + 1) == v0 + 1
                 await engine.resume()
+                assert (await engine.info()).extra["frozen"] is False
     finally:
         if engine._paused:
             await engine.resume()
     assert finish == "length" and len(tokens) == LONG
+    assert (await engine.info()).extra["running_rows"] == 0
     switch = versions.index(v0 + 1)
     assert 5 <= switch and versions == [v0] * switch + [v0 + 1] * (LONG - switch)
     prefix = (await engine.generate(GenerateRequest(prompt_token_ids=PROMPTS[:1], sampling=greedy(1))))[0]
