@@ -10,7 +10,6 @@ requests run, the limits, and the receiver's base state.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 from rollout_engines import CapabilityError, InvalidRequest, LoraSpec, ManifestMismatch, WeightSyncError
 from rollout_engines.testing.conformance import make_lora
 from rollout_engines.weights.checkpoint import load_checkpoint
-from rollout_engines.weights.lora import PEFT_PREFIX, load_peft_adapter
+from rollout_engines.weights.lora import PEFT_PREFIX, load_peft_adapter, save_peft_adapter
 
 pytestmark = [pytest.mark.transformers, pytest.mark.timeout(300)]
 
@@ -223,17 +222,8 @@ async def test_a_layer_that_is_not_linear_cannot_be_targeted(engine, original):
 
 # ---- PEFT's format ------------------------------------------------------------------------------------
 def save_peft(folder: Path, spec: LoraSpec, tensors: dict[str, torch.Tensor], **config: Any) -> Path:
-    """What ``PeftModel.save_pretrained`` writes for a plain LoRA adapter."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
-        "target_modules": spec.target_modules, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-        "use_rslora": False, "use_dora": False, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
-        **config}))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))
-    return folder
+    """What ``PeftModel.save_pretrained`` writes for a plain LoRA adapter (``config``: keys to change)."""
+    return save_peft_adapter(folder, spec, tensors, config=config)
 
 
 async def test_a_peft_adapter_round_trips(engine, original, tmp_path):

@@ -29,8 +29,9 @@ pytestmark = [pytest.mark.interop, pytest.mark.transformers, pytest.mark.remote]
 
 
 @pytest.fixture(scope="module")
-def server(start_server: Callable[..., Any]) -> Any:
-    return start_server(api_key=None, insecure_no_auth=True, protocols=("skyrl", "openai"))
+def server(start_server: Callable[..., Any], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp("weights-root")
+    return start_server(api_key=None, insecure_no_auth=True, protocols=("skyrl", "openai"), weights_root=str(root))
 
 
 @pytest.fixture
@@ -124,9 +125,24 @@ async def test_weight_sync(client: RemoteInferenceClient, server: Any, tiny_mode
     assert after != before
 
 
-async def test_unsupported(client: RemoteInferenceClient) -> None:
+async def test_load_lora_adapter(client: RemoteInferenceClient, server: Any, tiny_model: Path) -> None:
+    """SkyRL's ``load_lora_adapter`` loads a PEFT folder from inside the server's weights root (a
+    second load replaces it: version 2) and is refused for a path outside it."""
     import aiohttp
+    import torch
+    from rollout_engines.weights.checkpoint import load_checkpoint
+    from rollout_engines.weights.lora import make_lora, save_peft_adapter
 
+    root = Path(str(server.app.app.state.roe.weights_root))
+    weights = load_checkpoint(str(tiny_model), torch.float32)
+    spec, tensors = make_lora(weights, "skyrl-lora", seed=1)
+    folder = save_peft_adapter(root / "skyrl-lora", spec, tensors)
+    await client.load_lora_adapter("skyrl-lora", str(folder))
+    assert (await server.engine.info()).loras == {"skyrl-lora": 1}
+    await client.load_lora_adapter("skyrl-lora", str(folder))
+    assert (await server.engine.info()).loras == {"skyrl-lora": 2}
+    outside = save_peft_adapter(root.parent / f"{root.name}-outside", spec, tensors)
     with pytest.raises(aiohttp.ClientResponseError) as err:
-        await client.load_lora_adapter("x", "/tmp/x")
-    assert err.value.status == 400
+        await client.load_lora_adapter("other", str(outside))
+    assert err.value.status == 403
+    await server.engine.unload_lora("skyrl-lora")

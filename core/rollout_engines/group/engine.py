@@ -32,7 +32,10 @@ What the group does:
   :meth:`receive_weights` fans the manifest out to the members of the session.
 - **LoRA adapters**: a LoRA push (``WeightSync.push_lora``) goes to every member of the session
   (the group's ``lora`` and ``max_loras`` are the smallest of its members'), ``unload_lora`` to
-  every member; a request naming an adapter goes only to members that hold it.
+  every member. The group records a member as holding an adapter's version only once that member
+  applied it, and a request naming an adapter goes only to members that hold the group's version
+  of it (the newest any member applied: ``loras``). A push that fails on some members raises
+  :class:`WeightSyncError` naming them, as a full push does; the others serve the new version.
 - **Failures**: a member that raises an engine failure (:class:`EngineUnavailable`,
   :class:`EngineClosed`, connection errors, a dead actor, or any other error while its health check
   also fails) is marked down; its in-flight and queued requests are retried on the other members.
@@ -147,6 +150,9 @@ class EngineGroup(_Router):
         self.rejoin_transport = rejoin_transport
         self._members = [_Member(e, i) for i, e in enumerate(engines)]
         self.weight_version = max(m.version for m in self._members)
+        for m in self._members:  # adapters the members hold already: the newest version of each
+            for name, version in m.loras.items():
+                self.loras[name] = max(version, self.loras.get(name, version))
         for m in self._members:
             m.serving = m.version == self.weight_version
         self._rr = 0
@@ -508,13 +514,23 @@ class EngineGroup(_Router):
         return members
 
     async def _receive_lora(self, manifest: WeightManifest) -> None:
-        """A LoRA push to every member of the session. Members that failed keep what they had (a
-        request naming the adapter avoids those that lack it); the error names them."""
+        """A LoRA push to every member of the session. A member is recorded as holding this version
+        only once it applied it; requests naming the adapter then go only to those members (one
+        still holding an older version gets none of them). If some failed, the group serves the new
+        version from the others and this raises :class:`WeightSyncError` naming the failed members
+        (as a full push does); if all failed, nothing changed and one shared cause keeps its type
+        (:class:`ManifestMismatch`, :class:`StaleVersion`: nothing was installed)."""
         self._ensure_started()
         assert self._weights_lock is not None and manifest.lora is not None
+        name, version = manifest.lora.name, manifest.version
         members = self._session_members()
         async with self._weights_lock:
             results = await asyncio.gather(*(m.engine.receive_weights(manifest) for m in members), return_exceptions=True)
+            ok = [m for m, r in zip(members, results, strict=True) if not isinstance(r, BaseException)]
+            for m in ok:
+                m.loras[name] = version
+            if ok:
+                self.loras[name] = version
         failed = [(m, r) for m, r in zip(members, results, strict=True) if isinstance(r, BaseException)]
         for m, r in failed:
             if not isinstance(r, CLIENT_ERRORS):
@@ -522,27 +538,32 @@ class EngineGroup(_Router):
                 m.in_session = False
         if failed:
             m, first = failed[0]
-            # One cause on every member (a refused adapter, a stale version): raised as that type.
             kind: type[WeightSyncError] = WeightSyncError
-            if isinstance(first, StaleVersion | ManifestMismatch) and all(type(r) is type(first) for _, r in failed):
+            if not ok and isinstance(first, StaleVersion | ManifestMismatch) and all(type(r) is type(first) for _, r in failed):
                 kind = type(first)
+            which = ", ".join(str(m.index) for m, _ in failed)
+            outcome = (f"members {', '.join(str(m.index) for m in ok)} applied it and serve requests naming it; push a "
+                       "higher version to bring the others along" if ok else "nothing was installed")
             detail = " | ".join(f"member {m.index} ({m.engine.backend_name}): {r}" for m, r in failed)
             raise kind(
-                f"LoRA '{manifest.lora.name}' v{manifest.version} failed on {len(failed)}/{len(members)} engines of "
-                f"the group: {detail}", peer=f"group member {m.index}",
+                f"LoRA '{name}' v{version} failed on {len(failed)}/{len(members)} engines of the group (members "
+                f"{which}); {outcome}: {detail}", peer=f"group members {which}",
             ) from first
 
     async def _unload_lora(self, name: str) -> None:
         await self._fan_out(lambda e: e.unload_lora(name), "unload_lora")
 
     async def unload_lora(self, name: str) -> bool:
-        """Unload adapter ``name`` from every member (also members that hold it after a LoRA push
-        that failed elsewhere); True if any held it."""
+        """Unload adapter ``name`` from every member (also members that hold another version of it
+        after a LoRA push that failed on some); True if any held it."""
         self._check_not_closed()
-        if name not in self.loras and not any(name in getattr(m.engine, "loras", {}) for m in self._members):
+        if name not in self.loras and not any(name in m.loras or name in getattr(m.engine, "loras", {})
+                                              for m in self._members):
             return False
         await self._unload_lora(name)
         self.loras.pop(name, None)
+        for m in self._members:
+            m.loras.pop(name, None)
         return True
 
     async def close_weight_transfer(self) -> None:

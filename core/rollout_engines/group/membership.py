@@ -45,7 +45,7 @@ class _Member:
 
     __slots__ = (
         "engine", "index", "receivers", "outstanding", "completed", "failures", "version", "healthy",
-        "serving", "in_session", "inflight", "waiters", "rejoining", "last_error", "warned_stale",
+        "serving", "in_session", "inflight", "waiters", "rejoining", "last_error", "warned_stale", "loras",
     )
 
     def __init__(self, engine: EngineProtocol, index: int) -> None:
@@ -66,13 +66,15 @@ class _Member:
         self.rejoining = False
         self.last_error: str | None = None
         self.warned_stale = False
+        # LoRA adapter -> the version this member applied (recorded only once it succeeded)
+        self.loras: dict[str, int] = dict(getattr(engine, "loras", None) or {})
 
     def describe(self) -> dict[str, Any]:
         return {
             "index": self.index, "backend": self.engine.backend_name, "healthy": self.healthy,
             "serving": self.serving, "weight_version": self.version, "outstanding": self.outstanding,
             "completed": self.completed, "failures": self.failures, "in_session": self.in_session,
-            "last_error": self.last_error,
+            "last_error": self.last_error, "loras": dict(self.loras),
         }
 
 
@@ -237,6 +239,7 @@ class _Membership(Engine):
             return
         if m.serving and info.weight_version == self.weight_version:
             return
+        m.loras = dict(info.loras)  # what it holds now (a restarted member has lost its adapters)
         if m.serving:  # restarted between two checks (e.g. by Ray) with its initial weights
             self._mark_down(m, f"weight version went from {m.version} to {info.weight_version}")
             m.in_session = False

@@ -32,7 +32,7 @@ class _Router(_Membership):
     ) -> tuple[_Member | None, deque[asyncio.Future[None]]]:
         """The member to send ``request`` to now, or None and the queue to wait in. ``prefer``
         (the producer of a continued completion) takes it while it serves. A request naming a LoRA
-        adapter goes only to members that hold it."""
+        adapter goes only to members that hold the group's version of it (:meth:`_holds`)."""
         lora = request.lora
         if lora is not None:
             return self._pick_holder(request, lora, prefer)
@@ -72,7 +72,7 @@ class _Router(_Membership):
     ) -> tuple[_Member | None, deque[asyncio.Future[None]]]:
         """:meth:`_pick` among the members that hold adapter ``lora`` (off the hot path)."""
         limit = self.max_outstanding
-        holders = [m for m in self._members if lora in getattr(m.engine, "loras", {})]
+        holders = [m for m in self._members if self._holds(m, lora)]
         if prefer is not None and prefer in holders and prefer.serving:
             return (prefer if limit is None or prefer.outstanding < limit else None), prefer.waiters
         if self.routing == "sticky" and request.session_id is not None and holders:
@@ -85,9 +85,18 @@ class _Router(_Membership):
         free = [m for m in holders if m.serving and (limit is None or m.outstanding < limit)]
         return min(free, key=lambda m: m.outstanding, default=None), self._waiters
 
+    def _holds(self, m: _Member, lora: str) -> bool:
+        """Whether member ``m`` serves adapter ``lora`` at the group's version of it: it applied
+        that version (the group's record) and still has it (the engine's own, where it keeps one)."""
+        version = self.loras.get(lora)
+        return version is not None and m.loras.get(lora) == version and \
+            getattr(m.engine, "loras", m.loras).get(lora) == version
+
     def _check_lora(self, request: GenerateRequest) -> None:
-        if request.lora is not None and not any(request.lora in getattr(m.engine, "loras", {}) for m in self._members):
-            raise InvalidRequest(f"no engine of the group holds LoRA adapter '{request.lora}'; push it again "
+        lora = request.lora
+        if lora is not None and not any(self._holds(m, lora) for m in self._members):
+            raise InvalidRequest(f"no engine of the group holds LoRA adapter '{lora}'"
+                                 f"{f' v{self.loras[lora]}' if lora in self.loras else ''}; push it again "
                                  "(WeightSync.push_lora)")
 
     async def _wait(self, request: GenerateRequest, deadline: float | None, prefer: _Member | None = None) -> _Member:

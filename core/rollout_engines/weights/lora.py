@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,21 +123,42 @@ def lora_problem(manifest: WeightManifest, base: Mapping[str, TensorSpec]) -> tu
     return expected, None
 
 
-def receive_lora(receiver: WeightReceiver, manifest: WeightManifest, base: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
+def receive_lora(receiver: WeightReceiver, manifest: WeightManifest, base: Mapping[str, TensorSpec], *,
+                 supported: Collection[str] | None = None, hint: str = "") -> dict[str, torch.Tensor]:
     """Receive the LoRA push ``manifest`` through ``receiver``'s session; returns its tensors by
     PEFT name (owned; on the receiver's device, in the adapter's dtype).
 
-    ``base``: name -> spec of the base model's weights the adapter may target (HF names; a backend
-    passes only the layers it can adapt, e.g. its linear layers). The push is checked against it
-    before anything is received (:func:`lora_problem`); a refused one raises
-    :class:`ManifestMismatch` after the stream was drained, so the session stays in step. The
-    receiver's base version and delta record do not change. Call it where ``receiver.receive`` is
-    called for full pushes (a worker thread); each worker of a tensor-parallel engine gets the
-    whole adapter."""
+    ``base``: name -> spec of the base model's weights (HF names). ``supported``: the module names
+    (last components, ``q_proj``) the backend can adapt, where it cannot adapt every linear layer
+    of ``base``; an adapter targeting another layer the model has is refused, the message ending
+    in ``hint`` (what to do). The push is checked before anything is received (:func:`lora_problem`);
+    a refused one raises :class:`ManifestMismatch` after the stream was drained, so the session
+    stays in step. The receiver's base version and delta record do not change. Call it where
+    ``receiver.receive`` is called for full pushes (a worker thread); each worker of a
+    tensor-parallel engine gets the whole adapter."""
+    if supported is not None:
+        spec = manifest.lora
+        assert spec is not None
+        wanted = set(supported)
+        present = {_leaf(n) for n in base}
+        outside = sorted((set(spec.target_modules) & present) - wanted)
+        if outside:
+            problem = ManifestMismatch(
+                f"LoRA adapter '{spec.name}' targets {outside}, which this engine cannot serve LoRA on "
+                f"(it adapts {sorted(wanted)})" + (f"; {hint}" if hint else "")
+            )
+            receiver.receive_side(manifest, LoraTarget({}), rejection=problem)
+            raise problem  # receive_side raises it already, once the stream is drained
+        base = {n: s for n, s in base.items() if _leaf(n) in wanted}
     expected, rejection = lora_problem(manifest, base)
     target = LoraTarget(expected)
     receiver.receive_side(manifest, target, rejection=rejection)
     return target.tensors
+
+
+def _leaf(name: str) -> str:
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``q_proj``."""
+    return name.removesuffix(".weight").rsplit(".", 1)[-1]
 
 
 def split_adapter(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -164,7 +185,7 @@ def load_peft_adapter(path: str | Path, name: str) -> tuple[LoraSpec, dict[str, 
 
     folder = Path(path)
     try:
-        config: dict[str, Any] = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+        config: dict[str, Any] = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{folder} is not a PEFT adapter folder (adapter_config.json: {exc})") from None
     unsupported = [key for key in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "fan_in_fan_out")
@@ -182,10 +203,55 @@ def load_peft_adapter(path: str | Path, name: str) -> tuple[LoraSpec, dict[str, 
     if config.get("use_rslora"):
         alpha *= math.sqrt(rank)  # PEFT scales by alpha / sqrt(r); LoraSpec.scaling is alpha / r
     spec = LoraSpec(name=name, rank=rank, alpha=alpha, target_modules=sorted(str(t) for t in targets))
-    file = folder / "adapter_model.safetensors"
+    file = folder / ADAPTER_WEIGHTS
     if not file.is_file():
         raise ValueError(f"{folder} has no adapter_model.safetensors (save with safe_serialization=True)")
     return spec, load_file(str(file))
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def peft_adapter_config(spec: LoraSpec, base_model: str = "") -> dict[str, Any]:
+    """PEFT's ``adapter_config.json`` for ``spec``: a plain LoRA adapter, as ``save_pretrained``
+    writes it and vLLM's / SGLang's PEFT readers take it."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": spec.rank, "lora_alpha": spec.alpha, "target_modules": list(spec.target_modules),
+        "bias": "none", "lora_dropout": 0.0, "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
+        "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True,
+    }
+
+
+def save_peft_adapter(path: str | Path, spec: LoraSpec, tensors: Mapping[str, torch.Tensor], *,
+                      base_model: str = "", config: Mapping[str, Any] | None = None) -> Path:
+    """Write ``spec`` and its ``tensors`` (PEFT names) as a PEFT adapter folder at ``path``, the
+    inverse of :func:`load_peft_adapter`; ``config`` overrides keys of the written config. A sibling
+    folder (mode 0700) is written, then renamed into place (an existing folder there is replaced)."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(mode=0o700, parents=True)
+    try:
+        host = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+        save_file(host, str(partial / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (partial / ADAPTER_CONFIG).write_text(json.dumps({**peft_adapter_config(spec, base_model), **(config or {})}, indent=1))
+        if path.exists():  # a folder is renamed only onto an empty one: move the old one aside first
+            old = path.with_name(path.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(partial, path)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return path
 
 
 # ---- test and benchmark adapters -------------------------------------------------------------------
@@ -218,6 +284,7 @@ def make_lora(weights: Mapping[str, torch.Tensor], name: str, *, rank: int = 8, 
 
 
 __all__ = [
-    "LORA_TARGETS", "PEFT_PREFIX", "LoraTarget", "load_peft_adapter", "lora_expected_specs", "lora_problem",
-    "lora_targets", "make_lora", "module_of", "receive_lora", "split_adapter", "target_weights",
+    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "LORA_TARGETS", "PEFT_PREFIX", "LoraTarget", "load_peft_adapter", "lora_expected_specs", "lora_problem",
+    "lora_targets", "make_lora", "module_of", "peft_adapter_config", "receive_lora", "save_peft_adapter", "split_adapter",
+    "target_weights",
 ]

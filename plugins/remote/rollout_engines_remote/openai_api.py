@@ -274,6 +274,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "rollout-engines"
+    parent: str | None = Field(default=None, description="A LoRA adapter's base model (vLLM's field); None: a base model.")
 
 
 class ModelList(BaseModel):

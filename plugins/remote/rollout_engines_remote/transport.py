@@ -26,13 +26,13 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from rollout_engines.errors import CapabilityError, WeightSyncError
-from rollout_engines.weights.buckets import BucketHeader
+from rollout_engines.weights.buckets import BucketHeader, checksum
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 from rollout_engines.weights.transports.base import TransportSender
 from rollout_engines.weights.transports.inproc import InprocReceiver, InprocSender
@@ -385,6 +385,35 @@ class HttpIngress:
                 # Nothing of a failed update may wait in a queue for the next one.
                 s.sender.drain()
                 s.sender.cancelled.clear()
+
+    async def push(self, manifest: WeightManifest, bucket: Callable[[int], torch.Tensor]) -> int:
+        """Apply one update whose bytes are already in this process (``bucket(i)``: bucket ``i``
+        laid out as ``manifest`` says) through the open session, as if a trainer had POSTed them:
+        the server's own pushes (vLLM-style updates, LoRA adapters loaded from a path) take the
+        same relay, checks and versioning as ``/weights/update``. Returns the applied version."""
+        s = self._session()
+        task = asyncio.ensure_future(self.update(manifest))
+        try:
+            # Feed only once the ingress runs this update (a bucket that came first would read the
+            # outcome of the previous one).
+            while not task.done() and (s.manifest is None or s.manifest.session_id != manifest.session_id):
+                await asyncio.sleep(0.002)
+            for b in manifest.buckets:
+                if task.done():
+                    break
+                buf = bucket(b.index)
+                meta = {"session": s.spec.session_id, "update": manifest.session_id, "index": str(b.index),
+                        "checksum": str(checksum(buf, manifest.checksum))}
+                await self.feed(meta, buf)
+        except BaseException as exc:
+            if not task.done():
+                await self.abort(s.spec.session_id, manifest.session_id, f"relay failed: {exc}")
+            await asyncio.wait({task}, timeout=s.spec.timeout_s)
+            cause = task.exception() if task.done() and not task.cancelled() else None
+            if cause is not None and isinstance(exc, WeightSyncError):
+                raise cause from exc  # the engine's own error says why (a refused adapter, ...)
+            raise
+        return await task
 
     async def feed(self, meta: dict[str, str], buf: torch.Tensor) -> None:
         """Relay one POSTed bucket (waits for its turn: buckets go to the engine in order)."""

@@ -48,6 +48,10 @@ dtype before anything is applied):
 SGLang applies updates in place. If an update fails after any bucket reached SGLang, the engine
 refuses to generate (``WeightsInvalidated``) until the next complete push.
 
+**LoRA adapters** (``enable_lora``): a ``push_lora`` is received like a relayed update and loaded
+with SGLang's ``load_lora_adapter_from_tensors`` under a name per version; requests send that name
+as ``lora_path``. See :mod:`.lora`.
+
 For :meth:`weight_receivers` an SGLang engine is one receiver whatever its TP size: the host
 process relays, and on ``sglang_nccl`` the TP ranks are laid out by the transport itself.
 """
@@ -62,7 +66,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rollout_engines.backend_kit import PrefixCacheTracker, check_continuations, validate_prompts
 from rollout_engines.engine import Capabilities, Engine
 from rollout_engines.errors import (
@@ -74,12 +78,20 @@ from rollout_engines.errors import (
     WeightsInvalidated,
     WeightSyncError,
 )
-from rollout_engines.types import Completion, EngineConfig, GenerateRequest, PauseMode, StreamDelta
+from rollout_engines.types import (
+    MAX_LORA_RANK,
+    Completion,
+    EngineConfig,
+    GenerateRequest,
+    PauseMode,
+    StreamDelta,
+)
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, validate_manifest
 
 from . import translate
+from .lora import DEFAULT_TARGETS, REFUSED_TARGETS, LoadedLora, SglangLoras
 from .plugin import ASYNC_RL_CAPABILITIES, DEFAULT_CAPABILITIES, INSTALL_HINT
-from .runtime import SglangRuntime, SglangStreamingRuntime
+from .runtime import SglangLoraRuntime, SglangRuntime, SglangStreamingRuntime
 
 logger = logging.getLogger("rollout_engines.sglang")
 
@@ -113,6 +125,26 @@ class SglangOptions(BaseModel):
         default=None, description="CUDA device of this process that relayed transports receive on."
     )
     log_level: str = "error"
+    enable_lora: bool = Field(default=False, description="Serve LoRA adapters (WeightSync.push_lora).")
+    max_lora_rank: int = Field(default=16, ge=1, le=MAX_LORA_RANK, description="Largest adapter rank (SGLang's max_lora_rank).")
+    max_loras: int = Field(
+        default=2, ge=1, description="Adapters loaded at once (SGLang's max_loras_per_batch is 2 * max_loras + 1)."
+    )
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_TARGETS),
+        description="Modules adapters may target (SGLang's lora_target_modules; its LoRA buffers are sized for them).",
+    )
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _lora_targets(cls, v: list[str]) -> list[str]:
+        refused = sorted(set(v) & set(REFUSED_TARGETS))
+        if refused:
+            raise ValueError(f"lora_target_modules cannot include {refused}: LoRA pushes carry linear layers only; "
+                             "name them (e.g. q_proj, v_proj)")
+        if not v:
+            raise ValueError("lora_target_modules is empty; name the linear layers adapters may target")
+        return v
 
 
 def server_kwargs(config: EngineConfig, opts: SglangOptions) -> dict[str, Any]:
@@ -150,19 +182,34 @@ def server_kwargs(config: EngineConfig, opts: SglangOptions) -> dict[str, Any]:
         kw["enable_weights_cpu_backup"] = True
     if opts.enable_deterministic_inference:
         kw["enable_deterministic_inference"] = True
+    if opts.enable_lora:
+        # Adapters are loaded after the start, so SGLang needs the rank and the modules up front
+        # (check_lora_server_args). Batch slots: every adapter, the retiring version of each (its
+        # requests finish while new ones run on the next), and the base model, which takes one.
+        kw.update(enable_lora=True, max_lora_rank=opts.max_lora_rank,
+                  lora_target_modules=list(opts.lora_target_modules), max_loras_per_batch=2 * opts.max_loras + 1)
+        clash = sorted({"lora_paths", "max_loaded_loras"} & set(opts.model_extra or {}))
+        if clash:
+            # Adapters of lora_paths are not pushed versions; max_loaded_loras makes SGLang evict
+            # adapters and reload them from their path, which a tensor-loaded adapter does not have.
+            raise ValueError(f"backend 'sglang' with enable_lora manages its adapters itself; drop {clash}")
     kw.update(opts.model_extra or {})
     return kw
 
 
-def capabilities_for(opts: SglangOptions, streaming_runtime: bool = True) -> Capabilities:
+def capabilities_for(opts: SglangOptions, streaming_runtime: bool = True, lora_runtime: bool = True) -> Capabilities:
     """``streaming_runtime``: whether the runtime streams, aborts and pauses in SGLang's modes
-    (:class:`~.runtime.SglangStreamingRuntime`); without, the async-RL capabilities are off."""
+    (:class:`~.runtime.SglangStreamingRuntime`); without, the async-RL capabilities are off.
+    ``lora_runtime``: whether it loads adapters from tensors (:class:`~.runtime.SglangLoraRuntime`);
+    ``lora`` and ``max_loras`` are declared only with it and ``enable_lora``."""
     caps = dict(DEFAULT_CAPABILITIES)
     caps["seed"] = opts.enable_deterministic_inference
     caps["weights_kept_on_sleep"] = opts.enable_weights_cpu_backup
     if not streaming_runtime:
         for key in ASYNC_RL_CAPABILITIES:
             caps.pop(key, None)
+    if opts.enable_lora and lora_runtime:
+        caps.update(lora=opts.max_lora_rank, max_loras=opts.max_loras)
     return Capabilities(**caps)
 
 
@@ -184,6 +231,7 @@ class _Plan:
     prompts: list[list[int]]
     seqs: list[_Seq]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    lora: LoadedLora | None = None  # the adapter version it runs on, held until it ends
 
 
 def _sglang_missing() -> str | None:
@@ -216,7 +264,12 @@ class SglangEngine(Engine):
         self._cache = PrefixCacheTracker()
         self.runtime: SglangRuntime = runtime if runtime is not None else self._start_runtime()
         self._streaming = isinstance(self.runtime, SglangStreamingRuntime)
-        self.capabilities = capabilities_for(self.options, self._streaming)
+        self.capabilities = capabilities_for(
+            self.options, self._streaming, isinstance(self.runtime, SglangLoraRuntime)
+        )
+        self._loras: SglangLoras | None = None
+        if self.capabilities.lora:
+            self._loras = SglangLoras(self, self.options.lora_target_modules)
         #: rid -> sequence, of every request running through SGLang's stream.
         self._live: dict[str, _Seq] = {}
         self._abort_tasks: set[asyncio.Task[None]] = set()
@@ -274,13 +327,31 @@ class SglangEngine(Engine):
             max_model_len=self.config.max_model_len or self.runtime.context_length,
             vocab_size=self.runtime.vocab_size,
         )
-        self._cache.submitted()
-        outputs = await self._unless_failed(self.runtime.generate(**translate.generate_kwargs(request, prompts)))
+        lora = self._acquire_lora(request)
+        try:
+            self._cache.submitted()
+            kwargs = translate.generate_kwargs(request, prompts, lora_path=lora.sglang_name if lora else None)
+            outputs = await self._unless_failed(self.runtime.generate(**kwargs))
+        finally:
+            self._release_lora(lora)
         tokenizer = self.runtime.tokenizer
-        return translate.to_completions(
+        return _tag(translate.to_completions(
             outputs, prompts, request.sampling, version,
             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        )
+        ), lora)
+
+    def _acquire_lora(self, request: GenerateRequest) -> LoadedLora | None:
+        """The adapter version ``request`` runs on (the current one of ``request.lora``), held for
+        it: a LoRA push meanwhile retires it but SGLang keeps it until released."""
+        if request.lora is None:
+            return None
+        if self._loras is None:  # the core refuses this already (capability 'lora')
+            raise CapabilityError("backend 'sglang' serves LoRA adapters only with enable_lora=True")
+        return self._loras.acquire(request.lora)
+
+    def _release_lora(self, lora: LoadedLora | None) -> None:
+        if lora is not None and self._loras is not None:
+            self._loras.release(lora)
 
     def _plan(self, request: GenerateRequest) -> _Plan:
         """Tokenize and check ``request``; one :class:`_Seq` per prompt x sample."""
@@ -301,7 +372,13 @@ class SglangEngine(Engine):
         n = request.sampling.n
         incremental = bool(getattr(self.runtime, "incremental_stream", False))
         seqs = [_Seq(rid, k // n, k % n, translate.SequenceOutput(incremental)) for k, rid in enumerate(rids)]
-        return _Plan(request, prompts, seqs, translate.generate_kwargs(request, prompts, rids))
+        lora = self._acquire_lora(request)  # released by the caller once the request ends
+        try:
+            kwargs = translate.generate_kwargs(request, prompts, rids, lora.sglang_name if lora else None)
+        except BaseException:
+            self._release_lora(lora)
+            raise
+        return _Plan(request, prompts, seqs, kwargs, lora)
 
     async def _run(self, plan: _Plan) -> AsyncGenerator[tuple[_Seq, int, int], None]:
         """Drive SGLang's stream for ``plan``: yields (sequence, start, end) of the tokens each
@@ -346,17 +423,20 @@ class SglangEngine(Engine):
     async def _generate_streamed(self, request: GenerateRequest) -> list[Completion]:
         version = self.weight_version
         plan = self._plan(request)
-        async for _ in self._run(plan):
-            pass
+        try:
+            async for _ in self._run(plan):
+                pass
+        finally:
+            self._release_lora(plan.lora)
         s = request.sampling
         outputs = [q.out.as_output() for q in plan.seqs]
         comps = translate.to_completions(outputs, plan.prompts, s, version, decode=self._decode)
         priors = request.continue_from
-        return [
+        return _tag([
             translate.complete(c, q.out, s, len(plan.prompts[q.prompt_index]),
                                priors[q.prompt_index] if priors is not None else None, q.rid)
             for c, q in zip(comps, plan.seqs, strict=True)
-        ]
+        ], plan.lora)
 
     async def _stream(self, request: GenerateRequest) -> AsyncGenerator[StreamDelta, None]:
         if not self._streaming:
@@ -393,11 +473,16 @@ class SglangEngine(Engine):
                                   if s.top_logprobs is not None else None),
                     weight_version=q.out.versions[end - 1] if end > start else self.weight_version,
                     finish_reason=reason,
+                    lora=plan.lora.name if plan.lora else None,
+                    lora_version=plan.lora.version if plan.lora else None,
                 )
                 if reason is not None:
                     q.final_sent = True
         finally:
-            await run.aclose()
+            try:
+                await run.aclose()
+            finally:
+                self._release_lora(plan.lora)
 
     async def _abort(self, request_ids: Sequence[str] | None) -> None:
         if not self._streaming:
@@ -615,6 +700,15 @@ class SglangEngine(Engine):
         finally:
             target.release()
 
+    async def _receive_lora(self, manifest: WeightManifest) -> None:
+        """Receive an adapter through the weight transfer and load it into SGLang (:mod:`.lora`)."""
+        assert self._loras is not None  # the core checked capability 'lora'
+        await self._loras.receive(manifest, self._transfer)
+
+    async def _unload_lora(self, name: str) -> None:
+        assert self._loras is not None
+        await self._loras.unload(name)
+
     async def _close_weight_transfer(self) -> None:
         t, self._transfer = self._transfer, None
         if t is None:
@@ -639,6 +733,8 @@ class SglangEngine(Engine):
         }
 
     async def _close(self) -> None:
+        if self._loras is not None:
+            self._loras.close()  # SGLang's shutdown frees the adapters
         try:
             await self._close_weight_transfer()
         finally:
@@ -647,6 +743,14 @@ class SglangEngine(Engine):
             finally:
                 if self._unguard is not None:
                     self._unguard()
+
+
+def _tag(completions: list[Completion], lora: LoadedLora | None) -> list[Completion]:
+    """``completions`` with the adapter version that produced them."""
+    if lora is not None:
+        for c in completions:
+            c.lora, c.lora_version = lora.name, lora.version
+    return completions
 
 
 class _Transfer:

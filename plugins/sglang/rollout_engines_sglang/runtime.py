@@ -82,6 +82,15 @@ class SglangStreamingRuntime(SglangRuntime, Protocol):
     async def pause_mode(self, mode: SglangPauseMode) -> None: ...
 
 
+@runtime_checkable
+class SglangLoraRuntime(SglangRuntime, Protocol):
+    """A runtime that also loads LoRA adapters from tensors (the in-process one); an engine over a
+    runtime without this declares no LoRA capability."""
+
+    async def load_lora_from_tensors(self, name: str, config: dict[str, Any], payloads: list[bytes]) -> None: ...
+    async def unload_lora(self, name: str) -> None: ...
+
+
 def _snapshot(chunk: dict[str, Any]) -> dict[str, Any]:
     """A copy of one stream chunk, taken on SGLang's loop: SGLang's non-incremental intermediate
     chunks hand out its request state's own lists (``output_ids``, logprob lists), which it keeps
@@ -102,7 +111,9 @@ def _check(result: Any, what: str) -> None:
     if isinstance(result, tuple):
         success, message = result[0], result[1] if len(result) > 1 else ""
     else:
-        success, message = getattr(result, "success", True), getattr(result, "message", "")
+        # LoRA calls answer LoRAUpdateOutput, whose message is error_message.
+        success = getattr(result, "success", True)
+        message = getattr(result, "message", None) or getattr(result, "error_message", "")
     if not success:
         raise SglangCallFailed(f"SGLang {what} failed: {message}")
 
@@ -263,6 +274,27 @@ class InProcessRuntime:
 
         obj = UpdateWeightFromDiskReqInput(model_path=path, flush_cache=False)
         _check(await self._call(self._tm.update_weights_from_disk(obj, None)), "update_weights_from_disk")
+
+    async def load_lora_from_tensors(self, name: str, config: dict[str, Any], payloads: list[bytes]) -> None:
+        """``TokenizerManager.load_lora_adapter_from_tensors`` (what ``Engine.load_lora_adapter_from_tensors``
+        wraps, python/sglang/srt/entrypoints/engine.py) with one flattened-bucket payload per TP rank;
+        SGLang registers the adapter as ``name`` only once every rank loaded it."""
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+
+        if len(payloads) != self.tp_size:
+            raise ValueError(f"{len(payloads)} payloads for {self.tp_size} TP ranks; give one per rank")
+        obj = LoadLoRAAdapterFromTensorsReqInput(
+            lora_name=name, config_dict=config, serialized_named_tensors=list(payloads), load_format="flattened_bucket",
+        )
+        _check(await self._call(self._tm.load_lora_adapter_from_tensors(obj, None)), "load_lora_adapter_from_tensors")
+
+    async def unload_lora(self, name: str) -> None:
+        """``TokenizerManager.unload_lora_adapter``: unregisters ``name``, waits for SGLang's requests
+        on it to end, then frees it on every rank."""
+        from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+
+        obj = UnloadLoRAAdapterReqInput(lora_name=name)
+        _check(await self._call(self._tm.unload_lora_adapter(obj, None)), "unload_lora_adapter")
 
     def serialize(self, obj: Any) -> bytes:
         from sglang.srt.utils.common import MultiprocessingSerializer

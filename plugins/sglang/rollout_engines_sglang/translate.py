@@ -31,6 +31,9 @@ core field                    SGLang
                               ``input_top_logprobs``
 ``n``                         the prompt is repeated ``n`` times with ``n=1`` each, so the
                               order of outputs is prompt-major by construction
+``GenerateRequest.lora``      request-level ``lora_path``, one entry per sequence: the name
+                              the adapter's current version is registered under in SGLang
+                              (see :mod:`.lora`)
 ============================  ==========================================================
 """
 
@@ -107,10 +110,12 @@ def model_inputs(request: GenerateRequest, prompts: Sequence[list[int]]) -> list
 
 
 def generate_kwargs(
-    request: GenerateRequest, prompts: Sequence[list[int]], rids: Sequence[str] | None = None
+    request: GenerateRequest, prompts: Sequence[list[int]], rids: Sequence[str] | None = None,
+    lora_path: str | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of one batched ``sglang.Engine.async_generate`` call; ``rids``: SGLang's
-    ``rid`` of every prompt x sample (prompt-major), the ids abort_request takes."""
+    ``rid`` of every prompt x sample (prompt-major), the ids abort_request takes; ``lora_path``: the
+    SGLang name of the adapter version every sequence runs on."""
     s = request.sampling
     expanded = expand_prompts(model_inputs(request, prompts), s.n)
     one = sampling_params(s)
@@ -123,6 +128,8 @@ def generate_kwargs(
         if len(rids) != len(expanded):
             raise ValueError(f"{len(rids)} request ids for {len(expanded)} sequences")
         out["rid"] = list(rids)
+    if lora_path is not None:
+        out["lora_path"] = [lora_path] * len(expanded)
     return out
 
 

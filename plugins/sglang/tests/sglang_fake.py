@@ -25,7 +25,14 @@ class FakeSglangRuntime:
     sleep that *releases* weights (waking hands back zeroed memory, like SGLang's uninitialised
     memory), and injected faults (an update that fails after being partly applied) that a healthy
     real engine does not produce on demand. Its "generation" is a deterministic function of the
-    prompt and the weights, so tests can see which weights produced an output.
+    prompt and the weights (and of the LoRA adapter a sequence names in ``lora_path``), so tests
+    can see which weights produced an output.
+
+    LoRA, as SGLang's tokenizer manager answers it (python/sglang/srt/managers/tokenizer_control_mixin.py
+    and lora/lora_registry.py): ``load_lora_adapter_from_tensors`` with one flattened-bucket payload
+    per rank registers a new name (a name already registered is refused), ``unload_lora_adapter``
+    unregisters one (an unknown name is refused), a request naming an unregistered adapter fails.
+    Refusals are ``success=False`` answers, which the runtime turns into ``SglangCallFailed``.
     """
 
     def __init__(self, model_dir: str | Path, *, tp_size: int = 1, cpu_backup: bool = False) -> None:
@@ -48,10 +55,23 @@ class FakeSglangRuntime:
         self._updates = 0
         self.shut_down = False
         self.hang = False
+        self.loras: dict[str, dict[str, Any]] = {}  # SGLang name -> {"config", "tensors"}
+        self.lora_calls: list[tuple[str, str]] = []  # ("load" | "unload", SGLang name)
+        self.refuse_lora: str | None = None  # the error_message of the next load (injected)
+        self.lora_users: dict[str, str] = {}  # rid -> SGLang name of the adapter it runs on
 
     # ---- generation ----------------------------------------------------------------------------
     def fingerprint(self) -> int:
         return int(self.weights["model.embed_tokens.weight"].double().abs().sum().item() * 1000) % 9973
+
+    def lora_shift(self, name: str | None) -> int:
+        """What adapter ``name`` adds to every token (0 for the base model)."""
+        if name is None:
+            return 0
+        if name not in self.loras:  # LoRARegistry.acquire raises; the request fails
+            raise ValueError(f"The following requested LoRA adapters are not loaded: {name}")
+        total = sum(float(t.double().abs().sum()) for t in self.loras[name]["tensors"].values())
+        return 1 + int(total * 1000) % 997
 
     async def generate(self, *, input_ids: list[list[int]], sampling_params: list[dict], **kw: Any) -> list[dict]:
         if self.released:
@@ -60,8 +80,9 @@ class FakeSglangRuntime:
             await asyncio.Event().wait()
         self.generate_calls.append({"input_ids": input_ids, "sampling_params": sampling_params, **kw})
         fp, outs = self.fingerprint(), []
+        loras = kw.get("lora_path") or [None] * len(input_ids)
         for k, (ids, sp) in enumerate(zip(input_ids, sampling_params, strict=True)):
-            token = (sum(ids) + fp + k * (sp["temperature"] > 0)) % self.vocab_size
+            token = (sum(ids) + fp + self.lora_shift(loras[k]) + k * (sp["temperature"] > 0)) % self.vocab_size
             out = [token] * sp["max_new_tokens"]
             meta: dict[str, Any] = {"finish_reason": {"type": "length", "length": len(out)}}
             if kw.get("return_logprob"):
@@ -124,6 +145,33 @@ class FakeSglangRuntime:
         for f in sorted(Path(path).glob("*.safetensors")):
             self._load(list(load_file(str(f)).items()))
 
+    # ---- LoRA --------------------------------------------------------------------------------------
+    async def load_lora_from_tensors(self, name: str, config: dict[str, Any], payloads: list[bytes]) -> None:
+        if len(payloads) != self.tp_size:
+            raise ValueError(f"{len(payloads)} payloads for {self.tp_size} TP ranks")
+        self.lora_calls.append(("load", name))
+        ranks = []
+        for blob in payloads:  # every rank rebuilds its own copy, then keeps it on the CPU
+            payload = pickle.loads(blob)
+            bucket = FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"], metadata=payload["metadata"])
+            ranks.append({n: t.clone() for n, t in bucket.reconstruct_tensors()})
+        assert all(r.keys() == ranks[0].keys() for r in ranks)
+        if self.refuse_lora is not None:
+            message, self.refuse_lora = self.refuse_lora, None
+            raise SglangCallFailed(f"SGLang load_lora_adapter_from_tensors failed: {message}")
+        if name in self.loras:
+            raise SglangCallFailed(f"SGLang load_lora_adapter_from_tensors failed: LoRA with name {name} already exists")
+        self.loras[name] = {"config": dict(config), "tensors": ranks[0]}
+
+    async def unload_lora(self, name: str) -> None:
+        self.lora_calls.append(("unload", name))
+        if name not in self.loras:
+            raise SglangCallFailed(f"SGLang unload_lora_adapter failed: LoRA with name {name} does not exist")
+        # SGLang would wait here for its requests on the adapter; the engine unloads only unused ones.
+        running = [rid for rid, n in self.lora_users.items() if n == name]
+        assert not running, f"adapter {name} unloaded while {running} run on it"
+        del self.loras[name]
+
     async def init_weights_group(self, *a: Any, **k: Any) -> None:
         raise NotImplementedError("NCCL groups need GPUs")
 
@@ -184,6 +232,9 @@ class StreamingFakeSglangRuntime(FakeSglangRuntime):
             await asyncio.Event().wait()
         await self._admit.wait()  # SGLang's tokenizer manager holds new requests while paused
         self.generate_calls.append({"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid, **kw})
+        loras = kw.get("lora_path") or [None] * len(rid)
+        shifts = [self.lora_shift(n) for n in loras]
+        self.lora_users.update({r: n for r, n in zip(rid, loras, strict=True) if n is not None})
         self.live |= set(rid)
         outs: dict[str, list[int]] = {r: [] for r in rid}
         done: set[str] = set()
@@ -201,7 +252,7 @@ class StreamingFakeSglangRuntime(FakeSglangRuntime):
                     if r in self.aborting:
                         finish = {"type": "abort", "message": "Abort request", "status_code": None}
                     else:
-                        token = (sum(ids) + self.fingerprint() + i * (sp["temperature"] > 0)) % self.vocab_size
+                        token = (sum(ids) + self.fingerprint() + shifts[i] + i * (sp["temperature"] > 0)) % self.vocab_size
                         out.append(token)
                         finish = {"type": "length", "length": len(out)} if len(out) == sp["max_new_tokens"] else None
                     yield self._chunk(i, r, ids, out, start, finish, kw, k_top)
@@ -210,6 +261,8 @@ class StreamingFakeSglangRuntime(FakeSglangRuntime):
         finally:
             self.live -= set(rid)
             self.aborting -= set(rid)
+            for r in rid:
+                self.lora_users.pop(r, None)
 
     def _chunk(self, i: int, rid: str, ids: list[int], out: list[int], start: int, finish: dict | None,
                kw: dict[str, Any], k_top: int) -> dict[str, Any]:

@@ -6,7 +6,8 @@ prompt logprobs, continue_from), once more with SGLang's ``incremental_streaming
 other stream-chunk format); the rest is what only SGLang on a GPU can show: sleep releases weights (generation refused until a push, then the original outputs
 come back), every weight path (relayed CUDA IPC, disk, SGLang's own NCCL receive), small buckets
 not garbling weights (sglang#14178), greedy agreement with the transformers engine in float32,
-and tensor parallel 2.
+and tensor parallel 2. LoRA adapters (``enable_lora``): the core's LoRA conformance tests, and a
+request keeping its adapter version across a push of the next one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 from rollout_engines import EngineConfig, GenerateRequest, SamplingParams, create_engine
 from rollout_engines.errors import WeightsInvalidated
-from rollout_engines.testing.conformance import AsyncRLTests, BackendConformance
+from rollout_engines.testing.conformance import AsyncRLTests, BackendConformance, LoraTests, make_lora
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
 from rollout_engines.weights.session import connect_weight_sync
 
@@ -74,6 +75,52 @@ class TestSglangAsyncRLIncrementalStream(AsyncRLTests):
     def engine_config(cls, tiny_model):
         return EngineConfig(backend="sglang", model=str(tiny_model), dtype="bfloat16",
                             options={**OPTIONS, "incremental_streaming_output": True})
+
+
+@pytest.mark.sglang
+@pytest.mark.gpu
+class TestSglangLoraConformance(LoraTests):
+    """The core's LoRA tests on an engine with SGLang's LoRA on (the conformance engine above has it
+    off, so they skip there): adapters loaded from tensors, one batch mixing adapters and the base."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine_config(cls, tiny_model):
+        return EngineConfig(backend="sglang", model=str(tiny_model), dtype="bfloat16",
+                            options={**OPTIONS, "enable_lora": True})
+
+
+def test_lora_request_in_flight_keeps_its_version_across_a_push(tiny_model, original):
+    """SGLang runs the version a request started with to its end; the retired version is unloaded
+    from SGLang once that request is done."""
+    eng = create_engine("sglang", model=str(tiny_model), dtype="bfloat16", enable_lora=True, **OPTIONS)
+
+    async def go():
+        spec, v1 = make_lora(original, "x", seed=1)
+        _, v2 = make_lora(original, "x", seed=2)
+        sync = await connect_weight_sync([eng], "cuda_ipc", timeout_s=120)
+        try:
+            await sync.push_lora(spec, v1, version=1)
+            long = REQUEST.model_copy(update={"lora": "x", "sampling": REQUEST.sampling.model_copy(
+                update={"max_tokens": 400})})
+            solo = [c.token_ids for c in await eng.generate(long)]
+            running = asyncio.ensure_future(eng.generate(long))
+            while not eng._live:  # running in SGLang, on version 1
+                await asyncio.sleep(0.001)
+            await sync.push_lora(spec, v2, version=2)
+            newer = await eng.generate(long)
+            outs = await running
+            return solo, outs, newer
+        finally:
+            await sync.close()
+
+    try:
+        solo, outs, newer = run(go())
+        assert [c.token_ids for c in outs] == solo and {c.lora_version for c in outs} == {1}
+        assert {c.lora_version for c in newer} == {2} and [c.token_ids for c in newer] != solo
+        assert [x.sglang_name for x in eng._loras.active.values()] == ["x@v2#2"]
+    finally:
+        run(eng.close())
 
 
 @pytest.fixture(scope="module")

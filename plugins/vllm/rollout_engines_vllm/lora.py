@@ -24,78 +24,19 @@ registered.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from rollout_engines.errors import InvalidRequest, ManifestMismatch
-from rollout_engines.types import LoraSpec
-from rollout_engines.weights.lora import LoraTarget, receive_lora
-from rollout_engines.weights.manifest import TensorSpec, WeightManifest, manifest_to_wire
-from rollout_engines.weights.receiver import WeightReceiver
+from rollout_engines.weights.lora import ADAPTER_WEIGHTS
+from rollout_engines.weights.manifest import WeightManifest, manifest_to_wire
 
 logger = logging.getLogger("rollout_engines.vllm.lora")
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-
-
-def unsupported_targets(spec: LoraSpec, base: Mapping[str, TensorSpec], supported: Sequence[str]) -> ManifestMismatch | None:
-    """Why ``spec`` cannot be served: it targets layers of the model that vLLM has no LoRA layer
-    for (embeddings, the LM head); None when it does not. Names the model lacks are left to
-    :func:`~rollout_engines.weights.lora.lora_problem`."""
-    present = {n.removesuffix(".weight").rsplit(".", 1)[-1] for n in base}
-    unsupported = sorted((set(spec.target_modules) & present) - set(supported))
-    if not unsupported:
-        return None
-    return ManifestMismatch(
-        f"LoRA adapter '{spec.name}' targets {unsupported}, which vLLM cannot serve LoRA on for this model; "
-        f"target some of {sorted(supported)}"
-    )
-
-
-def adapter_config(spec: LoraSpec, base_model: str) -> dict[str, Any]:
-    """PEFT's ``adapter_config.json`` for ``spec`` (what vLLM's PEFTHelper reads)."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": spec.rank,
-        "lora_alpha": spec.alpha,
-        "target_modules": list(spec.target_modules),
-        "bias": "none",
-        "lora_dropout": 0.0,
-        "use_rslora": False,
-        "use_dora": False,
-        "fan_in_fan_out": False,
-        "modules_to_save": None,
-    }
-
-
-def write_peft_folder(path: str | Path, spec: LoraSpec, tensors: Mapping[str, torch.Tensor], base_model: str) -> None:
-    """Write a PEFT adapter folder at ``path`` atomically (a sibling is written, then renamed)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(mode=0o700)
-    try:
-        host = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
-        save_file(host, str(partial / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (partial / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(spec, base_model), indent=1))
-        os.replace(partial, path)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-
 
 # ---- worker side (inside each vLLM worker, called through the worker extension) -----------------------
 def _no_lora_rows_leak() -> bool:
@@ -150,22 +91,6 @@ def worker_lora_setup(worker: Any) -> None:
 
     if current_platform.is_cpu():
         fix_cpu_no_lora_rows()
-
-
-def receive_adapter(receiver: WeightReceiver, manifest: WeightManifest, base: Mapping[str, TensorSpec],
-                    supported: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Receive a LoRA push through a worker's receiver (:func:`~rollout_engines.weights.lora.receive_lora`),
-    checked against the base model's layers that vLLM can adapt. A refused push is drained before
-    :class:`ManifestMismatch` is raised, so the session stays in step; the model is not touched."""
-    spec = manifest.lora
-    assert spec is not None
-    problem = unsupported_targets(spec, base, supported)
-    if problem is not None:
-        receiver.receive_side(manifest, LoraTarget({}), rejection=problem)
-        raise problem  # receive_side raises it already, once the stream is drained
-    wanted = set(supported)
-    adaptable = {n: t for n, t in base.items() if n.removesuffix(".weight").rsplit(".", 1)[-1] in wanted}
-    return receive_lora(receiver, manifest, adaptable)
 
 
 def worker_lora_modules(worker: Any) -> list[str]:

@@ -288,7 +288,9 @@ class WorkerExtension:
     def roe_receive_lora(self, wire: dict[str, Any], path: str) -> dict[str, Any]:
         """Receive a LoRA adapter push (``wire``: a manifest with ``lora`` set) through this worker's
         receiver, leaving the model untouched; rank 0 writes it as a PEFT folder at ``path``."""
-        from .lora import receive_adapter, worker_lora_modules, write_peft_folder
+        from rollout_engines.weights.lora import receive_lora, save_peft_adapter
+
+        from .lora import worker_lora_modules
 
         state = self._roe_state()
         receiver: WeightReceiver | None = state["receiver"]
@@ -299,9 +301,10 @@ class WorkerExtension:
             spec = manifest.lora
             if spec is None:
                 raise ManifestMismatch("a LoRA receive needs a manifest with 'lora' set")
-            tensors = receive_adapter(receiver, manifest, state["target"].expected_specs(), worker_lora_modules(self))
+            tensors = receive_lora(receiver, manifest, state["target"].expected_specs(), supported=worker_lora_modules(self),
+                                   hint="vLLM has no LoRA layer for them in this model")
             if int(getattr(self, "rank", 0)) == 0:
-                write_peft_folder(path, spec, tensors, str(self.model_runner.model_config.model))
+                save_peft_adapter(path, spec, tensors, base_model=str(self.model_runner.model_config.model))
             return {"ok": True, "version": manifest.version, "timings": receiver.last_timings}
         except BaseException as exc:
             if not isinstance(exc, ManifestMismatch):

@@ -3,7 +3,9 @@
 Endpoints (all but ``/health`` need ``Authorization: Bearer KEY``):
 
 - OpenAI-compatible: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``:
-  server-sent chunks; ``echo`` + ``logprobs`` for log-likelihoods), ``GET /v1/models``.
+  server-sent chunks; ``echo`` + ``logprobs`` for log-likelihoods; ``"model": <LoRA adapter>``
+  selects it), ``GET /v1/models``; vLLM's runtime LoRA routes ``POST /v1/load_lora_adapter`` (a PEFT
+  folder under ``--weights-root``) and ``/v1/unload_lora_adapter``.
 - Native token-in/token-out: ``POST /generate`` takes a core ``GenerateRequest`` and returns the
   list of core ``Completion`` objects; ``POST /generate/stream`` sends its ``StreamDelta`` objects
   as server-sent events (then ``data: [DONE]``); ``POST /abort`` ends running requests by id.
@@ -29,7 +31,8 @@ Security (secure by default; see the project's SECURITY.md):
   address it is bound to (or, bound to all addresses, the address the request came in on and this
   machine's host names), plus ``--allowed-hosts``; others get 421. ``--allowed-hosts '*'`` turns
   the check off.
-- ``disk`` weight transfers must use a folder under ``--weights-root``; without one they are refused.
+- ``disk`` weight transfers and ``/v1/load_lora_adapter`` must use a folder under ``--weights-root``;
+  without one they are refused.
 - At most ``--max-concurrency`` requests are handled at once (beyond: 503, ``Retry-After: 1``); a
   request body must arrive within ``--body-read-timeout`` seconds (buckets: with no pause longer
   than that), else 408. A generate whose client disconnects is cancelled. One ``/weights/init`` runs

@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-hosts", default="", metavar="A,B",
                    help="more Host header names to answer to, besides loopback names and --host; '*': any")
     p.add_argument("--weights-root", default=None, metavar="DIR",
-                   help="allow disk weight transfers from folders under DIR (without it they are refused)")
+                   help="allow disk weight transfers and /v1/load_lora_adapter from folders under DIR (without "
+                        "it they are refused)")
     p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY,
                    help="requests handled at once; beyond, 503 with Retry-After")
     p.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT_S, metavar="SECONDS",

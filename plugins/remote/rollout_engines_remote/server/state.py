@@ -37,6 +37,8 @@ class ServerState:
         self.auth = bool(api_key)
         self.weights_root = weights_root
         self.protocols = protocols
+        #: One adapter load or unload at a time (a name's version is read, then bumped).
+        self.lora_lock = asyncio.Lock()
 
     def get_limits(self) -> Limits:
         if self.limits is None:
@@ -59,30 +61,35 @@ class ServerState:
         return outs
 
 
-def confine_disk_spec(spec: TransportSpec, weights_root: str | None) -> TransportSpec:
-    """``spec`` with its ``disk`` folder checked to lie inside ``weights_root`` (after resolving every
-    link) and replaced by its resolved path. Raises :class:`Forbidden` or :class:`FieldError`."""
+def confine_path(raw: object, weights_root: str | None, *, param: str, what: str) -> str:
+    """``raw`` resolved (every link followed, relative to ``weights_root``) and checked to lie inside
+    ``weights_root``: the one rule for every path a client names. ``what`` says what the path is
+    for (the error messages name it). Raises :class:`Forbidden` or :class:`FieldError`."""
     if weights_root is None:
-        raise Forbidden("disk weight transfers over HTTP are off on this server: start it with --weights-root DIR "
-                        "(create_app(weights_root=DIR)) and have the trainer write its updates under DIR",
-                        param="options.path")
-    raw = spec.options.get("path")
+        raise Forbidden(f"{what} over HTTP are off on this server: start it with --weights-root DIR "
+                        "(create_app(weights_root=DIR)) and have the trainer write its files under DIR", param=param)
     if not isinstance(raw, str) or not raw:
-        raise FieldError("options.path", f"a disk transfer needs options['path'], a folder under this server's "
-                         f"weights root {weights_root}")
+        raise FieldError(param, f"needs a folder under this server's weights root {weights_root}")
     try:
         real = os.path.realpath(os.path.join(weights_root, raw))
     except (ValueError, OSError):
-        raise FieldError("options.path", "not a usable file-system path") from None
+        raise FieldError(param, "not a usable file-system path") from None
     if os.path.commonpath([real, weights_root]) != weights_root:
-        raise Forbidden(f"options.path '{raw[:300]}' is not inside this server's weights root {weights_root} "
-                        "(links are followed); write the updates under that folder, or restart the server with "
-                        "another --weights-root", param="options.path")
+        raise Forbidden(f"{param} '{raw[:300]}' is not inside this server's weights root {weights_root} "
+                        "(links are followed); write the files under that folder, or restart the server with "
+                        "another --weights-root", param=param)
+    return real
+
+
+def confine_disk_spec(spec: TransportSpec, weights_root: str | None) -> TransportSpec:
+    """``spec`` with its ``disk`` folder checked to lie inside ``weights_root`` (:func:`confine_path`)
+    and replaced by its resolved path. Raises :class:`Forbidden` or :class:`FieldError`."""
+    raw = spec.options.get("path")
+    real = confine_path(raw, weights_root, param="options.path", what="disk weight transfers")
     if not os.path.isdir(real):
-        raise FieldError("options.path", f"'{raw[:300]}' is not an existing folder on the server; the trainer "
+        raise FieldError("options.path", f"'{str(raw)[:300]}' is not an existing folder on the server; the trainer "
                          "creates it when it opens the transfer (connect_weight_sync)")
     return spec.model_copy(update={"options": {**spec.options, "path": real}})
-
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:

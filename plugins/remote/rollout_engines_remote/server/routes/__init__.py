@@ -2,7 +2,8 @@
 
 Protocols (``create_app(protocols=...)``, ``serve --protocols``) pick the generation-facing APIs:
 ``native`` (``/generate``, ``/generate/stream``, ``/abort``, with the control plane and weight
-sync the remote client drives) and ``openai`` (``/v1/*``). Status routes (``/info``, ``/health``,
+sync the remote client drives) and ``openai`` (``/v1/*``, with vLLM's runtime LoRA routes,
+:mod:`.lora`, which ``vllm-rl``, ``skyrl`` and ``trl`` mount too). Status routes (``/info``, ``/health``,
 ``/metrics``) are always served.
 """
 
@@ -13,15 +14,15 @@ from collections.abc import Callable, Sequence
 from fastapi import APIRouter
 
 from ..state import ServerState
-from . import control, native, openai, skyrl, status, trl, vllm_rl, weights
+from . import control, lora, native, openai, skyrl, status, trl, vllm_rl, weights
 
 #: Protocol name -> the routers it mounts.
 PROTOCOLS: dict[str, tuple[Callable[[ServerState], APIRouter], ...]] = {
     "native": (native.router, control.router, weights.router),
-    "openai": (openai.router,),
-    "vllm-rl": (vllm_rl.router,),
-    "skyrl": (vllm_rl.router, skyrl.router),
-    "trl": (openai.router, vllm_rl.router, trl.router),
+    "openai": (openai.router, lora.router),
+    "vllm-rl": (vllm_rl.router, lora.router),
+    "skyrl": (vllm_rl.router, lora.router, skyrl.router),
+    "trl": (openai.router, lora.router, vllm_rl.router, trl.router),
 }
 DEFAULT_PROTOCOLS = ("openai", "native")
 ALWAYS: tuple[Callable[[ServerState], APIRouter], ...] = (status.router,)

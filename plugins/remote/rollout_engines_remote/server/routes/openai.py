@@ -8,6 +8,10 @@ chunk, so the reassembled text always equals the non-streamed one for the latter
 last chunk carries its ``finish_reason``; ``stream_options.include_usage`` adds a last chunk with
 the usage; ``return_token_ids`` adds each chunk's ``token_ids`` (and ``prompt_token_ids`` on a
 choice's first chunk, where known: always, except text and chat prompts of a streaming engine).
+
+LoRA adapters (pushed with ``WeightSync.push_lora``, or loaded with vLLM's ``/v1/load_lora_adapter``,
+:mod:`.lora`): ``"model": "<adapter name>"`` generates with that adapter and answers name it;
+``/v1/models`` lists each loaded adapter with ``parent`` = the served model, as vLLM does.
 """
 
 from __future__ import annotations
@@ -110,6 +114,15 @@ def router(state: ServerState) -> APIRouter:
         source = pieces(req)
         return await first_item(request, source), source
 
+    def core_request(body: oai.CompletionRequest | oai.ChatCompletionRequest) -> tuple[GenerateRequest, str]:
+        """The core request, and the model its answers name: ``model`` naming a loaded LoRA adapter
+        selects it (vLLM's runtime LoRA); any other name is the served model (clients such as
+        lm-eval name it as they like)."""
+        req = body.to_core(engine.capabilities)
+        if body.model and body.model in engine.loras:
+            return req.model_copy(update={"lora": body.model}), body.model
+        return req, state.model_name
+
     def usage_of(totals: dict[str, int]) -> oai.Usage:
         p, c = totals.get("prompt", 0), totals.get("completion", 0)
         return oai.Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
@@ -135,16 +148,15 @@ def router(state: ServerState) -> APIRouter:
 
     @r.post("/v1/completions", response_model=oai.CompletionResponse, responses=STREAM_RESPONSES)
     async def completions(body: oai.CompletionRequest, request: Request) -> Any:
-        req = body.to_core(engine.capabilities)
+        req, model = core_request(body)
         if body.stream:
             first, source = await start(req, request)
-            return EventStreamResponse(events_of(completion_chunks(body, first, source)))
+            return EventStreamResponse(events_of(completion_chunks(body, model, first, source)))
         outs = await state.generate(req, request)
         limits = state.get_limits()
-        return oai.completion_response(outs, state.model_name, body, body.token_names(limits.decode_token),
-                                       prompt_text(body))
+        return oai.completion_response(outs, model, body, body.token_names(limits.decode_token), prompt_text(body))
 
-    async def completion_chunks(body: oai.CompletionRequest, first: Piece | None,
+    async def completion_chunks(body: oai.CompletionRequest, model: str, first: Piece | None,
                                 source: AsyncGenerator[Piece, None]) -> AsyncGenerator[bytes, None]:
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         decode = body.token_names(state.get_limits().decode_token)
@@ -163,11 +175,11 @@ def router(state: ServerState) -> APIRouter:
                     index=piece.index, text=piece.text, logprobs=logprobs, finish_reason=piece.finish_reason,
                     token_ids=piece.token_ids if body.return_token_ids else None,
                     prompt_token_ids=piece.prompt_token_ids if body.return_token_ids and piece.first else None)
-                chunk = oai.CompletionChunk(id=cid, created=created, model=state.model_name, choices=[choice])
+                chunk = oai.CompletionChunk(id=cid, created=created, model=model, choices=[choice])
                 yield event(chunk.model_dump_json())
                 piece = await anext(source, None)
             if body.include_usage:
-                chunk = oai.CompletionChunk(id=cid, created=created, model=state.model_name, choices=[],
+                chunk = oai.CompletionChunk(id=cid, created=created, model=model, choices=[],
                                             usage=usage_of(totals))
                 yield event(chunk.model_dump_json())
         finally:
@@ -176,14 +188,14 @@ def router(state: ServerState) -> APIRouter:
     # ---- /v1/chat/completions ------------------------------------------------------------------
     @r.post("/v1/chat/completions", response_model=oai.ChatCompletionResponse, responses=STREAM_RESPONSES)
     async def chat_completions(body: oai.ChatCompletionRequest, request: Request) -> Any:
-        req = body.to_core(engine.capabilities)
+        req, model = core_request(body)
         if body.stream:
             first, source = await start(req, request)
-            return EventStreamResponse(events_of(chat_chunks(body, first, source)))
+            return EventStreamResponse(events_of(chat_chunks(body, model, first, source)))
         outs = await state.generate(req, request)
-        return oai.chat_response(outs, state.model_name, body, body.token_names(state.get_limits().decode_token))
+        return oai.chat_response(outs, model, body, body.token_names(state.get_limits().decode_token))
 
-    async def chat_chunks(body: oai.ChatCompletionRequest, first: Piece | None,
+    async def chat_chunks(body: oai.ChatCompletionRequest, model: str, first: Piece | None,
                           source: AsyncGenerator[Piece, None]) -> AsyncGenerator[bytes, None]:
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         decode = body.token_names(state.get_limits().decode_token)
@@ -192,7 +204,7 @@ def router(state: ServerState) -> APIRouter:
         sent_prompt = False
 
         def chunk(choices: list[oai.ChatStreamChoice], **extra: Any) -> bytes:
-            c = oai.ChatCompletionChunk(id=cid, created=created, model=state.model_name, choices=choices, **extra)
+            c = oai.ChatCompletionChunk(id=cid, created=created, model=model, choices=choices, **extra)
             return event(c.model_dump_json())
 
         try:
@@ -222,6 +234,10 @@ def router(state: ServerState) -> APIRouter:
 
     @r.get("/v1/models", response_model=oai.ModelList)
     async def models() -> oai.ModelList:
-        return oai.ModelList(data=[oai.ModelCard(id=state.model_name, created=int(state.started))])
+        """The served model, then every loaded LoRA adapter (``parent``: the served model), as vLLM lists them."""
+        base = oai.ModelCard(id=state.model_name, created=int(state.started))
+        now = int(time.time())
+        adapters = [oai.ModelCard(id=name, created=now, parent=state.model_name) for name in sorted(engine.loras)]
+        return oai.ModelList(data=[base, *adapters])
 
     return r

@@ -12,10 +12,11 @@ mounts ``vllm-rl`` too; add ``openai`` for its ``chat_completion``/``completion`
   (``skyrl_start_weight_update``, ``update_weights_ipc``/``update_weights_nccl``,
   ``skyrl_finish_weight_update``) mapped onto the ``vllm-rl`` phases; any other method is a 400.
 
-Not supported (400): loading LoRA adapters from a path (``/skyrl/v1/load_lora_adapter``,
-``/v1/unload_lora_adapter``: adapters reach an engine as weight updates, ``WeightSync.push_lora``
-through the native routes, and ``POST /lora/unload`` drops them), ``/v1/chat/completions/render``
-(multimodal rendering).
+- ``POST /skyrl/v1/load_lora_adapter`` ``{"lora_name", "lora_path"}``: SkyRL's load-or-replace, served
+  as ``/v1/load_lora_adapter`` with ``load_inplace`` (:mod:`.lora`, which this protocol mounts, with
+  ``/v1/unload_lora_adapter``); the path must lie inside ``--weights-root``.
+
+Not supported (400): ``/v1/chat/completions/render`` (multimodal rendering).
 SkyRL's client sends no API key: serve it with ``--insecure-no-auth`` on a loopback address.
 """
 
@@ -25,14 +26,14 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 from rollout_engines.errors import CapabilityError
 
 from ..errors import FieldError
 from ..state import ServerState
-from . import vllm_rl
+from . import lora, vllm_rl
 
 #: SkyRL's /collective_rpc methods -> the vllm-rl route that does the same.
 RPC_ROUTES = {"skyrl_start_weight_update": "/start_weight_update", "update_weights_ipc": "/update_weights",
@@ -54,6 +55,13 @@ class DetokenizeBody(BaseModel):
     model: str | None = None
 
 
+class SkyrlLoadLoraBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_path: str
+
+
 class RpcBody(BaseModel):
     method: str
     args: list[Any] = Field(default_factory=list)
@@ -67,6 +75,7 @@ def router(state: ServerState) -> APIRouter:
     # are mounted by the 'vllm-rl' protocol).
     vllm = vllm_rl.router(state)
     handlers = {route.path: route.endpoint for route in vllm.routes if isinstance(route, APIRoute)}
+    lora_handlers = {route.path: route.endpoint for route in lora.router(state).routes if isinstance(route, APIRoute)}
 
     def tokenizer() -> Any:
         tok = state.get_limits().tokenizer
@@ -113,14 +122,11 @@ def router(state: ServerState) -> APIRouter:
             answer = await handlers[path](vllm_rl.FinishBody(**kw))
         return answer
 
-    @r.post("/skyrl/v1/load_lora_adapter")
-    async def load_lora_adapter() -> JSONResponse:
-        raise CapabilityError("LoRA adapters are not loaded from paths here: push them with WeightSync.push_lora "
-                              "(native routes, /weights/update)")
-
-    @r.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter() -> JSONResponse:
-        raise CapabilityError("unload LoRA adapters with POST /lora/unload {\"name\": ...} (native routes)")
+    @r.post("/skyrl/v1/load_lora_adapter", response_model=None)
+    async def load_lora_adapter(body: SkyrlLoadLoraBody) -> Response:
+        """SkyRL's load-or-replace: ``/v1/load_lora_adapter`` with ``load_inplace``."""
+        return await lora_handlers["/v1/load_lora_adapter"](
+            lora.LoadLoraAdapterBody(lora_name=body.lora_name, lora_path=body.lora_path, load_inplace=True))
 
     @r.post("/v1/chat/completions/render")
     async def render_chat() -> JSONResponse:

@@ -67,7 +67,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from rollout_engines.errors import CapabilityError
 from rollout_engines.types import Completion, GenerateRequest, SamplingParams, StreamDelta, TokenLogprob
-from rollout_engines.weights.buckets import checksum
 from rollout_engines.weights.manifest import (
     DEFAULT_TIMEOUT_S,
     DTYPE_SIZES,
@@ -585,33 +584,17 @@ def _make_router(state: ServerState) -> APIRouter:
         """Relay the collected tensors through the server's ``http`` ingress as one versioned update."""
         manifest = plan_manifest(t.specs, version=version, transport="http", timeout_s=t.spec.timeout_s,
                                  partial=t.partial)
+
+        def bucket(index: int) -> torch.Tensor:
+            buf = torch.zeros(manifest.buckets[index].nbytes, dtype=torch.uint8)
+            for p in manifest.bucket_tensors(index):
+                if p.nbytes:
+                    buf[p.offset:p.offset + p.nbytes] = torch.frombuffer(bytearray(t.data[p.name]), dtype=torch.uint8)
+            return buf
+
         async with update_lock:
             await open_http(t)
-            task = asyncio.ensure_future(state.ingress.update(manifest))
-            try:
-                # Feed only once the ingress runs this update (a bucket that came first would read
-                # the outcome of the previous one).
-                session = state.ingress.session
-                while not task.done() and (session is None or session.manifest is None
-                                           or session.manifest.session_id != manifest.session_id):
-                    await asyncio.sleep(0.002)
-                for b in manifest.buckets:
-                    buf = torch.zeros(b.nbytes, dtype=torch.uint8)
-                    for p in manifest.bucket_tensors(b.index):
-                        if p.nbytes:
-                            buf[p.offset:p.offset + p.nbytes] = torch.frombuffer(bytearray(t.data[p.name]),
-                                                                                 dtype=torch.uint8)
-                    meta = {"session": t.spec.session_id, "update": manifest.session_id, "index": str(b.index),
-                            "checksum": str(checksum(buf, manifest.checksum))}
-                    await state.ingress.feed(meta, buf)
-            except BaseException as exc:
-                if not task.done():
-                    await state.ingress.abort(t.spec.session_id, manifest.session_id, f"relay failed: {exc}")
-                await asyncio.wait({task}, timeout=t.spec.timeout_s)
-                if task.done() and not task.cancelled():
-                    task.exception()
-                raise
-            return await task
+            return await state.ingress.push(manifest, bucket)
 
     @r.post("/update_weight_version")
     async def update_weight_version(new_version: Annotated[str, Body(embed=True)]) -> JSONResponse:
