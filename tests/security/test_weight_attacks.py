@@ -192,7 +192,7 @@ async def test_forged_bucket_description_during_a_real_shm_push_is_refused(proc_
         sender.begin = begin  # type: ignore[method-assign]
         pushing = asyncio.ensure_future(push(sync, states["new"], version + 1))
         await innocent(proc_engine, 1)
-        with pytest.raises(WeightSyncError, match="is not signed by this session") as info:
+        with pytest.raises(WeightSyncError, match="is not signed with this weight sync's key") as info:
             await pushing
         assert "engine 0" in str(info.value)
         del sender.begin  # the attacker stops
@@ -254,7 +254,7 @@ async def test_forged_store_value_is_refused_by_the_receiver(proc_engine, states
         assert not receiving.done()
         _forge(attacker, sync.sender.session_id, manifest.session_id, transport, forgery)
         start = time.monotonic()
-        with pytest.raises(WeightSyncError, match="is not signed by this session"):
+        with pytest.raises(WeightSyncError, match="is not signed with this weight sync's key"):
             await asyncio.wait_for(receiving, WAIT)
         assert time.monotonic() - start < 5
         assert await greedy(proc_engine) == before

@@ -7,9 +7,12 @@ import argparse
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..options import add_option_argument, merge_options
+
+if TYPE_CHECKING:
+    from ..weights.manifest import ChecksumKind
 
 #: The prefix of ``--option`` keys that go to the weight transport instead of the engine.
 TRANSPORT_PREFIX = "transport."
@@ -52,6 +55,33 @@ def add_push_arguments(parser: argparse.ArgumentParser, *, checksum: str) -> Non
     parser.add_argument("--bucket-mb", type=float, default=512)
     parser.add_argument("--checksum", default=checksum, choices=["pos64", "sum64", "none"], help="per-bucket checksum")
     add_option_argument(parser, help="engine option; 'transport.K=V' sets a weight-transport option")
+
+
+@dataclass
+class PushBench:
+    """The settings every push benchmark reads from its arguments, and the engine it started."""
+
+    backend: str
+    model: str
+    bucket_bytes: int
+    checksum: ChecksumKind
+    options: dict[str, Any]  #: the engine's
+    transport_options: dict[str, Any]
+    engine: Any
+
+    @classmethod
+    def start(cls, args: Any, *, checksum: ChecksumKind) -> PushBench:
+        """Read ``--backend``, ``--model``, ``--bucket-mb``, ``--checksum`` (default ``checksum``) and
+        ``--option``, then create the engine (close it with ``engine.close()``)."""
+        from ..factory import create_engine
+
+        backend = arg(args, "backend", "vllm")
+        model = model_path(args)
+        options, transport_options = split_transport_options(parse_options(args))
+        engine = create_engine(backend, model=model, **options)
+        return cls(backend=backend, model=model, bucket_bytes=int(float(arg(args, "bucket_mb", 512)) * 2**20),
+                   checksum=arg(args, "checksum", checksum), options=options, transport_options=transport_options,
+                   engine=engine)
 
 
 @dataclass

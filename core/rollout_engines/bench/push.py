@@ -30,13 +30,11 @@ from typing import Any
 from ..types import Diagnostics
 from .common import (
     Fingerprint,
+    PushBench,
     add_push_arguments,
     arg,
     memcpy_gbps,
-    model_path,
-    parse_options,
     push_weights,
-    split_transport_options,
 )
 
 
@@ -71,18 +69,13 @@ def run(args: Any) -> dict[str, Any]:
         return run_lora(args)
     import torch
 
-    from ..factory import create_engine
     from ..types import GenerateRequest, SamplingParams
     from ..weights.session import connect_weight_sync
 
-    backend = arg(args, "backend", "vllm")
-    model = model_path(args)
+    bench = PushBench.start(args, checksum="pos64")
+    engine, model = bench.engine, bench.model
     pushes = max(1, int(arg(args, "pushes", 6)))
     between = bool(arg(args, "generate_between", False))
-    bucket_bytes = int(float(arg(args, "bucket_mb", 512)) * 2**20)
-    checksum = arg(args, "checksum", "pos64")
-    options, transport_options = split_transport_options(parse_options(args))
-    engine = create_engine(backend, model=model, **options)
     try:
         weights = asyncio.run(push_weights(engine, model, arg(args, "transport", None)))
         original, changed, transport = weights.original, weights.changed, weights.transport
@@ -91,8 +84,8 @@ def run(args: Any) -> dict[str, Any]:
 
         async def go() -> tuple[list[float], list[dict[str, float]], bool, bool, list[float]]:
             start_print = await fingerprint()
-            sync = await connect_weight_sync([engine], transport, bucket_bytes=bucket_bytes, timeout_s=600,
-                                             checksum=checksum, options=transport_options)
+            sync = await connect_weight_sync([engine], transport, bucket_bytes=bench.bucket_bytes, timeout_s=600,
+                                             checksum=bench.checksum, options=bench.transport_options)
             times: list[float] = []
             phases: list[dict[str, float]] = []
             copies: list[float] = []
@@ -125,13 +118,13 @@ def run(args: Any) -> dict[str, Any]:
     total_bytes = weights.total_bytes
     push_s = statistics.median(later)
     return {
-        "backend": backend,
+        "backend": bench.backend,
         "model": model,
         "platform": "cuda" if weights.gpu else "cpu",
         "transport": transport,
         "bytes": total_bytes,
         "tensors": len(original),
-        "bucket_bytes": bucket_bytes,
+        "bucket_bytes": bench.bucket_bytes,
         "pushes": pushes,
         "first_push_s": round(times[0], 4),
         "push_s": round(push_s, 4),
@@ -143,9 +136,9 @@ def run(args: Any) -> dict[str, Any]:
         "fingerprint": fingerprint.kind,
         "perturbed_push_changed_weights": differs,
         "original_push_restored_weights": same,
-        "checksum": checksum,
-        "options": options,
-        "transport_options": transport_options,
+        "checksum": bench.checksum,
+        "options": bench.options,
+        "transport_options": bench.transport_options,
         "generate_between_pushes": between,
         "phases_median_s": {k: round(statistics.median(p[k] for p in phases[1:] or phases), 6)
                             for k in (phases[0] if phases else {})},
@@ -160,19 +153,14 @@ def run_lora(args: Any) -> dict[str, Any]:
     (null where greedy tokens are not reproducible, as on real-size random models on a GPU)."""
     import torch
 
-    from ..factory import create_engine
     from ..types import GenerateRequest, SamplingParams
     from ..weights.lora import make_lora
     from ..weights.session import connect_weight_sync
 
-    backend = arg(args, "backend", "vllm")
-    model = model_path(args)
+    bench = PushBench.start(args, checksum="pos64")
+    engine, model = bench.engine, bench.model
     pushes = max(1, int(arg(args, "pushes", 6)))
     rank = int(arg(args, "lora_rank", 16))
-    bucket_bytes = int(float(arg(args, "bucket_mb", 512)) * 2**20)
-    checksum = arg(args, "checksum", "pos64")
-    options, transport_options = split_transport_options(parse_options(args))
-    engine = create_engine(backend, model=model, **options)
     try:
         weights = asyncio.run(push_weights(engine, model, arg(args, "transport", None)))
         transport = weights.transport
@@ -185,8 +173,8 @@ def run_lora(args: Any) -> dict[str, Any]:
 
         async def go() -> tuple[list[float], bool, bool | None]:
             base = [c.token_ids for c in await engine.generate(probe)]
-            sync = await connect_weight_sync([engine], transport, bucket_bytes=bucket_bytes, timeout_s=600,
-                                             checksum=checksum, options=transport_options)
+            sync = await connect_weight_sync([engine], transport, bucket_bytes=bench.bucket_bytes, timeout_s=600,
+                                             checksum=bench.checksum, options=bench.transport_options)
             times: list[float] = []
             try:
                 for i in range(pushes):
@@ -209,7 +197,7 @@ def run_lora(args: Any) -> dict[str, Any]:
         asyncio.run(engine.close())
     later = times[1:] or times
     return {
-        "backend": backend,
+        "backend": bench.backend,
         "model": model,
         "platform": "cuda" if weights.gpu else "cpu",
         "transport": transport,
@@ -224,6 +212,6 @@ def run_lora(args: Any) -> dict[str, Any]:
         "gbps": round(lora_bytes / statistics.median(later) / 1e9, 3),
         "adapter_listed": listed,
         "adapter_changed_outputs": changed,
-        "checksum": checksum,
-        "options": options,
+        "checksum": bench.checksum,
+        "options": bench.options,
     }

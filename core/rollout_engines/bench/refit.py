@@ -29,12 +29,10 @@ from typing import Any
 
 from .common import (
     Fingerprint,
+    PushBench,
     add_push_arguments,
     arg,
-    model_path,
-    parse_options,
     push_weights,
-    split_transport_options,
 )
 
 PHASES = ("sleep", "wake_weights", "push", "wake_kv", "first_token", "refit")
@@ -56,24 +54,19 @@ def run(args: Any) -> dict[str, Any]:
     import torch
 
     from ..errors import CapabilityError
-    from ..factory import create_engine
     from ..types import GenerateRequest, SamplingParams
     from ..weights.session import connect_weight_sync
 
-    backend = arg(args, "backend", "vllm")
-    model = model_path(args)
+    bench = PushBench.start(args, checksum="none")
+    engine, model = bench.engine, bench.model
     cycles = max(1, int(arg(args, "cycles", 5)))
     level = int(arg(args, "level", 2))
-    bucket_bytes = int(float(arg(args, "bucket_mb", 512)) * 2**20)
-    checksum = arg(args, "checksum", "none")
-    options, transport_options = split_transport_options(parse_options(args))
-    engine = create_engine(backend, model=model, **options)
     try:
         caps = engine.capabilities
         if level not in caps.sleep_levels:
             supported = ", ".join(str(s) for s in caps.sleep_levels) or "none (sleep is not supported)"
             raise CapabilityError(
-                f"backend '{backend}' does not support sleep level {level}; supported levels: {supported}"
+                f"backend '{bench.backend}' does not support sleep level {level}; supported levels: {supported}"
             )
         weights = asyncio.run(push_weights(engine, model, arg(args, "transport", None)))
         original, changed, transport, gpu = weights.original, weights.changed, weights.transport, weights.gpu
@@ -98,8 +91,8 @@ def run(args: Any) -> dict[str, Any]:
         async def go() -> tuple[list[dict[str, float]], list[bool]]:
             start_print = await fingerprint()
             await engine.generate(one_token)  # warm the one-token path once, outside the timings
-            sync = await connect_weight_sync([engine], transport, bucket_bytes=bucket_bytes, timeout_s=600,
-                                             checksum=checksum, options=transport_options)
+            sync = await connect_weight_sync([engine], transport, bucket_bytes=bench.bucket_bytes, timeout_s=600,
+                                             checksum=bench.checksum, options=bench.transport_options)
             rows: list[dict[str, float]] = []
             checks: list[bool] = []
             try:
@@ -128,7 +121,7 @@ def run(args: Any) -> dict[str, Any]:
     later = rows[1:] or rows
     push_s = statistics.median(r["push"] for r in later)
     return {
-        "backend": backend,
+        "backend": bench.backend,
         "model": model,
         "platform": "cuda" if gpu else "cpu",
         "transport": transport,
@@ -136,8 +129,8 @@ def run(args: Any) -> dict[str, Any]:
         "cycles": cycles,
         "bytes": weights.total_bytes,
         "tensors": len(original),
-        "bucket_bytes": bucket_bytes,
-        "checksum": checksum,
+        "bucket_bytes": bench.bucket_bytes,
+        "checksum": bench.checksum,
         "median_s": {p: round(statistics.median(r[p] for r in later), 6) for p in PHASES},
         "p90_s": {p: round(_p90([r[p] for r in later]), 6) for p in PHASES},
         "first_cycle_s": {p: round(rows[0][p], 6) for p in PHASES},
@@ -146,6 +139,6 @@ def run(args: Any) -> dict[str, Any]:
         "fingerprint": fingerprint.kind,
         "pushes_verified": checks,
         "verified": all(checks),
-        "options": options,
-        "transport_options": transport_options,
+        "options": bench.options,
+        "transport_options": bench.transport_options,
     }

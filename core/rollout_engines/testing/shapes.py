@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -169,6 +168,7 @@ def build_shape(
     from safetensors.torch import save_file
 
     from ..weights.buckets import torch_dtype
+    from ..weights.checkpoint import atomic_directory
     from .tiny_model import tiny_model_path
 
     if name not in SHAPES:
@@ -185,11 +185,7 @@ def build_shape(
     qwen3 = _qwen3_available()
     torch_type = torch_dtype(dtype)
     final = Path(out_dir).expanduser().resolve()
-    if final.exists() and any(final.iterdir()):
-        raise FileExistsError(f"{final} exists and is not empty")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+    with atomic_directory(final) as tmp:
         for f in _TOKENIZER_FILES:
             shutil.copyfile(tiny / f, tmp / f)
         (tmp / "config.json").write_text(json.dumps(_config(shape, qwen3, dtype, special_ids), indent=2) + "\n")
@@ -220,11 +216,6 @@ def build_shape(
         for written in tmp.iterdir():
             written.chmod(0o644)
         tmp.chmod(0o755)
-        if final.exists():
-            final.rmdir()
-        os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

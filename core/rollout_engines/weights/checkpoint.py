@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -103,3 +105,31 @@ def perturbed(tensors: dict[str, torch.Tensor], scale: float = 0.5, seed: int = 
         else:
             out[name] = t.clone()
     return out
+
+
+@contextmanager
+def atomic_directory(path: str | Path, *, replace: bool = False) -> Iterator[Path]:
+    """Write a directory all at once: yields an empty temporary sibling of ``path`` (mode 0700) to
+    write into; when the block ends without an error it is renamed to ``path``, else removed.
+    ``path`` must be absent or empty, unless ``replace``: then a directory already there is swapped
+    out and removed. Readers never see a half-written directory."""
+    import os
+    import shutil
+    import tempfile
+
+    final = Path(path).expanduser().resolve()
+    if not replace and final.exists() and any(final.iterdir()):
+        raise FileExistsError(f"{final} exists and is not empty")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists() and replace:  # a directory is renamed only onto an empty one
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        elif final.exists():
+            final.rmdir()  # OSError if something was written there meanwhile: that is kept
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

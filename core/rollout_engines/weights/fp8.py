@@ -28,13 +28,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
 import torch
 
+from .checkpoint import atomic_directory
 from .manifest import TensorSpec
 
 #: What ``WeightSync.push(quantize=...)`` and the engines' options name this format.
@@ -192,11 +192,7 @@ def fp8_block_checkpoint(
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {src}; an FP8 copy needs a safetensors checkpoint")
-    if final.exists() and any(final.iterdir()):
-        raise FileExistsError(f"{final} exists and is not empty")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+    with atomic_directory(final) as tmp:
         weight_map: dict[str, str] = {}
         total = 0
         for file in files:
@@ -224,11 +220,6 @@ def fp8_block_checkpoint(
         for other in src.iterdir():
             if other.is_file() and not (tmp / other.name).exists() and other.suffix != ".safetensors":
                 shutil.copyfile(other, tmp / other.name)
-        if final.exists():
-            final.rmdir()
-        os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

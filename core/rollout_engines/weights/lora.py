@@ -228,30 +228,17 @@ def save_peft_adapter(path: str | Path, spec: LoraSpec, tensors: Mapping[str, to
                       base_model: str = "", config: Mapping[str, Any] | None = None) -> Path:
     """Write ``spec`` and its ``tensors`` (PEFT names) as a PEFT adapter folder at ``path``, the
     inverse of :func:`load_peft_adapter`; ``config`` overrides keys of the written config. A sibling
-    folder (mode 0700) is written, then renamed into place (an existing folder there is replaced)."""
-    import os
-    import shutil
-
+    folder (mode 0700) is written, then renamed into place (:func:`~.checkpoint.atomic_directory`; an
+    existing folder there is replaced)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(mode=0o700, parents=True)
-    try:
+    from .checkpoint import atomic_directory
+
+    with atomic_directory(path, replace=True) as tmp:
         host = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
-        save_file(host, str(partial / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (partial / ADAPTER_CONFIG).write_text(json.dumps({**peft_adapter_config(spec, base_model), **(config or {})}, indent=1))
-        if path.exists():  # a folder is renamed only onto an empty one: move the old one aside first
-            old = path.with_name(path.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(partial, path)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return path
+        save_file(host, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps({**peft_adapter_config(spec, base_model), **(config or {})}, indent=1))
+    return Path(path)
 
 
 # ---- test and benchmark adapters -------------------------------------------------------------------

@@ -101,7 +101,7 @@ _endpoints_cv = threading.Condition()
 
 
 def register_endpoint(session_id: str, endpoint: Endpoint) -> None:
-    """Called by a ``remote`` engine once its server accepted ``/weights/init`` for this session."""
+    """Called by a ``remote`` engine once its server accepted ``/weights/init`` for the weight sync ``session_id``."""
     with _endpoints_cv:
         _endpoints.setdefault(session_id, []).append(endpoint)
         _endpoints_cv.notify_all()

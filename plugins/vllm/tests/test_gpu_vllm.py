@@ -1,4 +1,4 @@
-"""vLLM on a CUDA GPU: sleep-mode traps and the GPU weight transports (run on the lent GPU).
+"""vLLM on a CUDA GPU: sleep-mode traps and the GPU weight transports (they run where CUDA is visible).
 
 The conformance suite (test_conformance_vllm.py) runs there too and covers sleep/wake, level 2
 and wake-up without a stale prefix cache; this file adds what only a GPU can show.

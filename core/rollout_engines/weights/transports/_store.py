@@ -156,7 +156,7 @@ class SignedStore:
             mac, self._sign(key, value)
         ):
             raise WeightSyncError(
-                f"the weight-sync store value '{key}' is not signed by this session; something other than "
+                f"the weight-sync store value '{key}' is not signed with this weight sync's key; something other than "
                 "the trainer and its engines wrote to the store. The update is refused; keep the store "
                 "on loopback or firewall its port (SECURITY.md)", peer="store",
             )
