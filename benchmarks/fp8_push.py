@@ -13,11 +13,14 @@ Three timings of the same weights from trainer tensors on the GPU (``cuda_ipc`` 
 
 Each mode pushes perturbed and original weights alternately; ``push_s`` is the median of pushes
 2..N. Each is checked with the engine's weights fingerprint: the perturbed push changes it, the
-final push of the originals brings it back (for ``fp8_sender`` exactly: the trainer quantizes as the
-FP8 copy was built; for ``fp8_receiver`` up to the GPU quantizer's rare rounding differences, so
-that one reports whether it came back exactly). ``ratio_*`` = FP8 push / BF16 push; the target is
-``<= 2``. The engines run one at a time; the trainer's two weight sets stay on the GPU throughout
+final push of the originals brings it back to the engine's start-up fingerprint (for ``fp8_sender``
+exactly: the trainer quantizes as the FP8 copy was built; for ``fp8_receiver`` up to the worker's
+Triton quantizer's rounding, so that one reports whether it came back exactly). ``ratio_*`` = FP8
+push / BF16 push; the target is ``<= 2``. The engines run one at a time; the trainer's two weight sets stay on the GPU throughout
 (a 14B shape: 2 x 28 GB, so use ``weight_apply_mode=inplace``: staged updates copy the push once more).
+
+On a vLLM without DeepGEMM's JIT headers (a stripped install), run with ``VLLM_USE_DEEP_GEMM=0``:
+vLLM otherwise picks DeepGEMM for block FP8 on Hopper and its engine fails to start.
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ PROBE = GenerateRequest(prompt_token_ids=[[11, 12, 13, 14]], sampling=SamplingPa
 
 
 async def _pushes(engine: Any, weights: Any, transport: str, args: Any, quantize: str | None,
-                  transport_options: dict[str, Any]) -> dict[str, Any]:
+                  transport_options: dict[str, Any], start: Any) -> dict[str, Any]:
+    """Pushes into ``engine``; ``start`` is its fingerprint as it came up (the checkpoint's weights),
+    taken before any mode pushed, so each mode's final push of the originals is compared with the
+    checkpoint and not with what the previous mode left."""
     fingerprint = Fingerprint(engine, PROBE)
-    start = await fingerprint()
     sync = await connect_weight_sync([engine], transport, bucket_bytes=int(args.bucket_mb * 2**20), timeout_s=600,
                                      checksum=args.checksum, options=transport_options)
     times: list[float] = []
@@ -103,12 +108,14 @@ def main() -> None:
             continue
         engine = create_engine(args.backend, model=args.model, weight_quantization=kind, **options)
         try:
+            start = asyncio.run(Fingerprint(engine, PROBE)())
             if weights is None:
                 weights = asyncio.run(push_weights(engine, args.model, args.transport))
                 out.update(transport=weights.transport, bytes_bf16=weights.total_bytes, tensors=len(weights.original))
             for mode in todo:
                 quantize = "fp8_block" if mode == "fp8_sender" else None
-                out[mode] = asyncio.run(_pushes(engine, weights, weights.transport, args, quantize, transport_options))
+                out[mode] = asyncio.run(
+                    _pushes(engine, weights, weights.transport, args, quantize, transport_options, start))
         finally:
             asyncio.run(engine.close())
     base = out.get("bf16", {}).get("push_s")
