@@ -17,6 +17,12 @@ What the group does:
   member only while that member cannot serve. Requests without a session id use least-outstanding.
 - **Backpressure**: at most ``max_outstanding_per_engine`` requests (batches) in flight per member;
   further requests wait for a slot, and raise :class:`EngineUnavailable` after ``wait_timeout_s``.
+- **Capabilities**: the group declares what every current member can do (flags AND-ed, limits
+  such as ``lora``, ``max_loras`` and ``top_logprobs`` the smallest, sets such as ``pause_modes``
+  intersected), recomputed whenever a member is added, replaced or removed: a request beyond them
+  is refused by the group with the usual :class:`CapabilityError` / ``UpdateRefused``, and they
+  rise again when the weaker member leaves. An engine that lacks a flag the group declares cannot
+  join (:meth:`add_engine`, :meth:`replace_engine`).
 - **Fan-out** of sleep / wake_up / reset_prefix_cache / pause / resume / abort_all to every member;
   the group's ``pause_modes`` are those every member has.
 - **Async RL**: the group records which member runs each request id when it routes a request, so
@@ -31,7 +37,7 @@ What the group does:
   gives member *i* the rank offset ``spec.rank_offset + receivers of members 0..i-1``;
   :meth:`receive_weights` fans the manifest out to the members of the session.
 - **LoRA adapters**: a LoRA push (``WeightSync.push_lora``) goes to every member of the session
-  (the group's ``lora`` and ``max_loras`` are the smallest of its members'), ``unload_lora`` to
+  (the group's ``lora`` and ``max_loras`` are the smallest of its current members'), ``unload_lora`` to
   every member. The group records a member as holding an adapter's version only once that member
   applied it, and a request naming an adapter goes only to members that hold the group's version
   of it (the newest any member applied: ``loras``). A push that fails on some members raises
@@ -81,7 +87,7 @@ from ..errors import (
 )
 from ..types import Completion, EngineConfig, GenerateRequest, PauseMode, StreamDelta
 from ..weights.manifest import TransportSpec, WeightManifest
-from .membership import CLIENT_ERRORS, RejoinCallback, WeightSource, _Member, intersect_capabilities, logger
+from .membership import CLIENT_ERRORS, RejoinCallback, WeightSource, _Member, logger
 from .router import ROUTINGS, Routing, _Router
 
 
@@ -138,7 +144,6 @@ class EngineGroup(_Router):
             raise ValueError("max_attempts must be >= 1")
         first = engines[0].config
         super().__init__(EngineConfig(backend="group", model=first.model, tokenizer=first.tokenizer))
-        self.capabilities = intersect_capabilities([e.capabilities for e in engines])
         self.routing: Routing = routing
         self.max_outstanding = max_outstanding_per_engine
         self.wait_timeout_s = wait_timeout_s
@@ -149,6 +154,7 @@ class EngineGroup(_Router):
         self.weight_source = weight_source
         self.rejoin_transport = rejoin_transport
         self._members = [_Member(e, i) for i, e in enumerate(engines)]
+        self._recompute_capabilities()
         self.weight_version = max(m.version for m in self._members)
         for m in self._members:  # adapters the members hold already: the newest version of each
             for name, version in m.loras.items():

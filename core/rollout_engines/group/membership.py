@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,7 +79,8 @@ class _Member:
 
 
 def intersect_capabilities(caps: Sequence[Capabilities]) -> Capabilities:
-    """What every member can do: flags AND-ed, tuples intersected (order of the first member)."""
+    """What every member can do: flags AND-ed (``multi_process``, which says where workers run,
+    OR-ed), limits the smallest, tuples intersected (order of the first member)."""
     values: dict[str, Any] = {}
     for name in Capabilities.model_fields:
         got = [getattr(c, name) for c in caps]
@@ -108,6 +109,7 @@ class _Membership(Engine):
     _weights_lock: asyncio.Lock | None
     _last_transport: str | None
     _sleep_state: tuple[int, list[str]] | None
+    _produced: OrderedDict[str, int]
 
     # ---- membership ----------------------------------------------------------------------------
     @property
@@ -123,17 +125,20 @@ class _Membership(Engine):
 
     async def add_engine(self, engine: EngineProtocol) -> int:
         """Add a member (e.g. a replacement). It takes traffic once healthy and at the group's
-        weight version (brought there as described under *Rejoin*). Returns its index."""
+        weight version (brought there as described under *Rejoin*). Returns its index.
+
+        The group's limits and sets (``lora``, ``max_loras``, ``top_logprobs``, ``pause_modes``, ...)
+        narrow to what the new member also has; an engine that lacks a flag the group declares
+        (``streaming``, ``chat``, ...) is refused with :class:`CapabilityError`."""
         self._check_not_closed()
         if any(m.engine is engine for m in self._members):
             raise ValueError("this engine is already a member of the group")
-        missing = [f for f, v in self.capabilities.model_dump().items() if v is True and not getattr(engine.capabilities, f)]
-        if missing:
-            raise CapabilityError(f"cannot add a '{engine.backend_name}' engine: it lacks {missing} that the group declares")
+        self._refuse_lost_flags(engine, [*self.engines, engine])
         member = _Member(engine, len(self._members))
         member.serving = False
         member.healthy = False
         self._members.append(member)
+        self._recompute_capabilities()
         self._ensure_started()
         await self._probe(member)
         return member.index
@@ -142,23 +147,67 @@ class _Membership(Engine):
         """Put ``engine`` in member ``index``'s place (e.g. for an actor Ray will not restart any
         more): the old engine's requests are retried on the others and it is closed; the new one
         keeps the index, so sticky sessions map to it, and takes traffic once at the group's
-        weight version."""
+        weight version. The group's capabilities become those of the members afterwards (an engine
+        lacking a flag the group declares is refused, as by :meth:`add_engine`)."""
         self._check_not_closed()
         if not 0 <= index < len(self._members):
             raise ValueError(f"no member {index}; the group has {len(self._members)}")
         if any(m.engine is engine for m in self._members):
             raise ValueError("this engine is already a member of the group")
+        self._refuse_lost_flags(engine, [engine if i == index else e for i, e in enumerate(self.engines)])
         old = self._members[index]
         self._mark_down(old, "replaced")
         member = _Member(engine, index)
         member.serving = member.healthy = False
         self._members[index] = member
+        self._recompute_capabilities()
         try:
             await old.engine.close()
         except Exception as exc:  # it is usually dead already
             logger.debug("engine group: closing replaced member %d: %r", index, exc)
         self._ensure_started()
         await self._probe(member)
+
+    async def remove_engine(self, index: int) -> EngineProtocol:
+        """Take member ``index`` out of the group and return its engine, not closed (close it, or
+        give it to another group). Its in-flight and queued requests are retried on the others;
+        the members after it move down one index. The group's capabilities become again what every
+        remaining member can do, so they may rise (e.g. ``lora`` when the member with the smallest
+        rank leaves). A collective weight sync (``gloo``, ``nccl``) fixed its members at connect
+        time: close it and connect again."""
+        self._check_not_closed()
+        if not 0 <= index < len(self._members):
+            raise ValueError(f"no member {index}; the group has {len(self._members)}")
+        if len(self._members) == 1:
+            raise ValueError("cannot remove the last engine of the group; close() or detach() the group instead")
+        self._mark_down(self._members[index], "removed from the group")  # wakes its waiters, evicts its requests
+        old = self._members.pop(index)
+        for m in self._members[index:]:
+            m.index -= 1
+        # answered request id -> member index, for continue_from: follow the move, forget the removed
+        for rid, i in list(self._produced.items()):
+            if i == index:
+                del self._produced[rid]
+            elif i > index:
+                self._produced[rid] = i - 1
+        self._recompute_capabilities()
+        return old.engine
+
+    def _recompute_capabilities(self) -> None:
+        """The group declares what every current member can do (down members included: they are
+        still members and come back); called whenever the members change."""
+        self.capabilities = intersect_capabilities([m.engine.capabilities for m in self._members])
+
+    def _refuse_lost_flags(self, engine: EngineProtocol, engines: Sequence[EngineProtocol]) -> None:
+        """Refuse ``engine`` joining if the group of ``engines`` (the members it would make) turns
+        off a flag the group declares now: callers rely on those (limits and sets narrow instead)."""
+        after = intersect_capabilities([e.capabilities for e in engines])
+        lost = [f for f, v in self.capabilities if v is True and not getattr(after, f)]
+        if lost:
+            raise CapabilityError(
+                f"cannot add a '{engine.backend_name}' engine: it lacks {lost} that the group declares; "
+                "use an engine with those capabilities, or build a new group"
+            )
 
     # ---- failures ------------------------------------------------------------------------------
     async def _is_engine_failure(self, member: _Member, error: BaseException) -> bool:
