@@ -42,8 +42,12 @@ dtype before anything is applied):
   the update directory (``update_weights_from_disk``).
 * ``cuda_ipc``, ``nccl``, ``gloo``, ``shm``, ``inproc``: the core's receiver for that transport runs
   in this (host) process on ``relay_device``; each bucket is copied into a staging buffer there and
-  handed to every TP rank as a flattened bucket over CUDA IPC
-  (``update_weights_from_tensor(load_format="flattened_bucket")``, one payload per rank).
+  handed to every TP rank over CUDA IPC with ``update_weights_from_tensor`` (one payload per rank).
+  With option ``copy_plan`` (off until it is measured on a GPU) SGLang starts with the plugin's custom weight loader
+  (:mod:`.loader`) and each bucket goes to it: the first push of a name runs SGLang's
+  ``load_weights`` while recording where it lands, later pushes copy straight into the parameters.
+  Without it, or over a runtime not started with that loader, SGLang's own
+  ``load_format="flattened_bucket"`` loads each bucket through ``load_weights``.
 
 SGLang applies updates in place. If an update fails after any bucket reached SGLang, the engine
 refuses to generate (``WeightsInvalidated``) until the next complete push.
@@ -125,6 +129,12 @@ class SglangOptions(BaseModel):
         default=None, description="CUDA device of this process that relayed transports receive on."
     )
     log_level: str = "error"
+    copy_plan: bool = Field(
+        default=False,
+        description="(Not yet run on a GPU.) Relayed pushes: learn on the first push where each tensor lands and load later pushes "
+        "by direct copies (rollout_engines.weights.copy_plan, through the plugin's SGLang custom weight loader) "
+        "instead of SGLang's per-tensor loaders.",
+    )
     enable_lora: bool = Field(default=False, description="Serve LoRA adapters (WeightSync.push_lora).")
     max_lora_rank: int = Field(default=16, ge=1, le=MAX_LORA_RANK, description="Largest adapter rank (SGLang's max_lora_rank).")
     max_loras: int = Field(
@@ -194,6 +204,11 @@ def server_kwargs(config: EngineConfig, opts: SglangOptions) -> dict[str, Any]:
             # adapters and reload them from their path, which a tensor-loaded adapter does not have.
             raise ValueError(f"backend 'sglang' with enable_lora manages its adapters itself; drop {clash}")
     kw.update(opts.model_extra or {})
+    if opts.copy_plan:
+        from .loader import LOADER
+
+        loaders = list(kw.get("custom_weight_loader") or [])
+        kw["custom_weight_loader"] = loaders if LOADER in loaders else [*loaders, LOADER]
     return kw
 
 
@@ -772,29 +787,36 @@ class _VerifyOnly:
 
 
 class _RelayTarget:
-    """A WeightTarget that hands every received bucket to SGLang as a flattened CUDA IPC bucket."""
+    """A WeightTarget that hands every received bucket to SGLang over CUDA IPC: to the plugin's
+    copy-plan loader where SGLang runs it, else as SGLang's flattened bucket (see :mod:`.payloads`)."""
 
     def __init__(self, engine: SglangEngine, device: str) -> None:
         import torch
+
+        from .loader import LOADER
 
         self.engine = engine
         self.device = torch.device(device)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._staging: Any = None
+        runtime = engine.runtime
+        use_loader = engine.options.copy_plan and LOADER in runtime.weight_loaders
+        self.load_format = LOADER if use_loader else "flattened_bucket"
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
         return self.engine.expected_specs()
 
     def apply(self, named: Sequence[tuple[str, Any]], *, owned: bool) -> None:
-        from .payloads import serialize_per_rank, stage_views
+        from .payloads import loader_payloads, serialize_per_rank, stage_views
 
         runtime = self.engine.runtime
         # Always staged: a bucket may be on the CPU, or a CUDA IPC import that torch will not
         # share again; the copy runs at device bandwidth.
         self._staging, flat, metadata = stage_views(named, self._staging, self.device)
-        payloads = serialize_per_rank(flat, metadata, runtime.tp_size, runtime.serialize)
+        build = serialize_per_rank if self.load_format == "flattened_bucket" else loader_payloads
+        payloads = build(flat, metadata, runtime.tp_size, runtime.serialize)
         assert self.loop is not None
-        future = asyncio.run_coroutine_threadsafe(runtime.update_from_tensor(payloads), self.loop)
+        future = asyncio.run_coroutine_threadsafe(runtime.update_from_tensor(payloads, self.load_format), self.loop)
         future.result()  # SGLang has loaded the bucket when this returns: the staging is free again
 
     def release(self) -> None:

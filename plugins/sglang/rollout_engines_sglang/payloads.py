@@ -8,11 +8,19 @@ Two layouts meet here:
   ``end_idx`` byte offsets. SGLang rebuilds each tensor as
   ``flat[start_idx:end_idx].view(dtype).reshape(shape)``.
 
-``cuda_ipc`` (``update_weights_from_tensor(load_format="flattened_bucket")``): SGLang takes the
-metadata as given, so the core's aligned buffer is handed over as it is, without a copy:
-``start_idx`` is the tensor's offset in the core bucket. Each TP rank gets its own serialized
-payload (a CUDA IPC handle of the same buffer): SGLang's producer-side IPC reference counts drop
-cleanly only when every rank unpickles its own copy.
+Relayed pushes (``update_weights_from_tensor``, see :mod:`.engine`) take one of two forms, both
+over CUDA IPC, each a uint8 buffer of aligned tensors (the core's bucket as it is, or the engine's
+staging copy of it):
+
+* the plugin's copy-plan loader (``load_format=`` :data:`.loader.LOADER`, engine option
+  ``copy_plan``): a one-element named-tensor list, ``[(bucket_name, flat)]``, whose name carries
+  the layout (:func:`.loader.bucket_name`); see :func:`loader_payloads`;
+* SGLang's own ``load_format="flattened_bucket"``: ``{"flattened_tensor", "metadata"}``, SGLang
+  taking the metadata as given, so ``start_idx`` is the tensor's offset in the buffer.
+
+Either way each TP rank gets its own serialized payload (a CUDA IPC handle of the same buffer):
+SGLang's producer-side IPC reference counts drop cleanly only when every rank unpickles its own
+copy.
 
 ``sglang_nccl`` (``update_weights_from_distributed(load_format="flattened_bucket")``): here SGLang
 allocates the receive buffer itself, tensors back to back with no padding, and receives it with
@@ -30,6 +38,8 @@ from typing import Any
 import torch
 from rollout_engines.weights.buckets import torch_dtype
 from rollout_engines.weights.manifest import ALIGN, DTYPE_SIZES, TensorPlacement
+
+from .loader import BucketEntry, bucket_name
 
 Serializer = Callable[[Any], bytes]
 
@@ -86,10 +96,26 @@ def serialize_per_rank(
     payloads reference ``flat`` (CUDA IPC handles), so it must stay alive until SGLang's call
     returns.
     """
+    return _per_rank({"flattened_tensor": flat, "metadata": list(metadata)}, tp_size, serialize)
+
+
+def loader_payloads(
+    flat: torch.Tensor, metadata: Sequence[Any], tp_size: int, serialize: Serializer | None = None
+) -> list[bytes]:
+    """One serialized ``[(bucket_name, flat)]`` per TP rank, the form
+    ``update_weights_from_tensor(load_format=LOADER)`` hands to :func:`.loader.load_bucket`
+    (``metadata``: SGLang's flattened-bucket metadata of ``flat``, as :func:`stage_views` returns
+    it). Like :func:`serialize_per_rank`, the payloads reference ``flat``."""
+    name = bucket_name(
+        BucketEntry(m.name, m.dtype, tuple(m.shape), m.start_idx, m.end_idx) for m in metadata
+    )
+    return _per_rank([(name, flat)], tp_size, serialize)
+
+
+def _per_rank(payload: Any, tp_size: int, serialize: Serializer | None) -> list[bytes]:
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     serialize = serialize or forking_serialize
-    payload = {"flattened_tensor": flat, "metadata": list(metadata)}
     return [serialize(payload) for _ in range(tp_size)]
 
 

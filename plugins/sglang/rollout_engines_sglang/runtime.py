@@ -40,6 +40,9 @@ class SglangRuntime(Protocol):
     tokenizer: Any
     vocab_size: int | None
     context_length: int | None
+    #: SGLang's ``custom_weight_loader`` server argument: the dotted paths ``update_from_tensor``
+    #: may name as ``load_format`` (the engine sends :data:`.loader.LOADER` only if listed).
+    weight_loaders: tuple[str, ...]
 
     async def generate(self, **kwargs: Any) -> list[dict[str, Any]]: ...
     async def flush_cache(self) -> None: ...
@@ -54,7 +57,7 @@ class SglangRuntime(Protocol):
     async def update_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
     ) -> None: ...
-    async def update_from_tensor(self, payloads: list[bytes]) -> None: ...
+    async def update_from_tensor(self, payloads: list[bytes], load_format: str = "flattened_bucket") -> None: ...
     async def update_from_disk(self, path: str) -> None: ...
     def serialize(self, obj: Any) -> bytes: ...
     def shutdown(self) -> None: ...
@@ -136,6 +139,7 @@ class InProcessRuntime:
         self.vocab_size = getattr(mc, "vocab_size", None)
         self.context_length = getattr(mc, "context_len", None) or getattr(sa, "context_length", None)
         self.incremental_stream = bool(getattr(sa, "incremental_streaming_output", False))
+        self.weight_loaders: tuple[str, ...] = tuple(getattr(sa, "custom_weight_loader", None) or ())
 
     @staticmethod
     async def _construct(server_kwargs: dict[str, Any]) -> Any:
@@ -259,13 +263,15 @@ class InProcessRuntime:
         )
         _check(await self._call(self._tm.update_weights_from_distributed(obj, None)), "update_weights_from_distributed")
 
-    async def update_from_tensor(self, payloads: list[bytes]) -> None:
+    async def update_from_tensor(self, payloads: list[bytes], load_format: str = "flattened_bucket") -> None:
+        """One payload per TP rank, in the form ``load_format`` takes (see :mod:`.payloads`):
+        SGLang's ``flattened_bucket`` or a loader of :attr:`weight_loaders`."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
         if len(payloads) != self.tp_size:
             raise ValueError(f"{len(payloads)} payloads for {self.tp_size} TP ranks; give one per rank")
         obj = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=list(payloads), load_format="flattened_bucket", flush_cache=False,
+            serialized_named_tensors=list(payloads), load_format=load_format, flush_cache=False,
         )
         _check(await self._call(self._tm.update_weights_from_tensor(obj, None)), "update_weights_from_tensor")
 

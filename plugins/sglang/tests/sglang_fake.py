@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import pickle
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -33,9 +34,16 @@ class FakeSglangRuntime:
     per rank registers a new name (a name already registered is refused), ``unload_lora_adapter``
     unregisters one (an unknown name is refused), a request naming an unregistered adapter fails.
     Refusals are ``success=False`` answers, which the runtime turns into ``SglangCallFailed``.
+
+    Custom weight loaders (``weight_loaders``, SGLang's ``custom_weight_loader`` server argument):
+    ``update_from_tensor`` with such a ``load_format`` does what SGLang's weight updater does: each
+    rank unpickles its own payload, a list of ``(name, tensor)``, imports the loader by its dotted
+    path and calls it with that rank's model (:class:`FakeModel`, whose ``load_weights`` writes
+    into the fake's weights) and the list.
     """
 
-    def __init__(self, model_dir: str | Path, *, tp_size: int = 1, cpu_backup: bool = False) -> None:
+    def __init__(self, model_dir: str | Path, *, tp_size: int = 1, cpu_backup: bool = False,
+                 weight_loaders: tuple[str, ...] = ()) -> None:
         from transformers import AutoTokenizer
 
         self.tp_size = tp_size
@@ -49,6 +57,9 @@ class FakeSglangRuntime:
         self.flushes = 0
         self.generate_calls: list[dict[str, Any]] = []
         self.tensor_updates: list[int] = []  # payload count of each update_from_tensor call
+        self.weight_loaders = weight_loaders
+        self.load_formats: list[str] = []  # load_format of each update_from_tensor call
+        self.models = [FakeModel(self) for _ in range(tp_size)]  # one per TP rank
         self.disk_updates: list[str] = []
         self.fail_update_at: int | None = None  # 1-based update call that fails after applying
         self.fail_disk = False
@@ -121,10 +132,20 @@ class FakeSglangRuntime:
         if self.fail_update_at is not None and self._updates == self.fail_update_at:
             raise SglangCallFailed("SGLang update failed: injected fault after applying part of the bucket")
 
-    async def update_from_tensor(self, payloads: list[bytes]) -> None:
+    async def update_from_tensor(self, payloads: list[bytes], load_format: str = "flattened_bucket") -> None:
         if len(payloads) != self.tp_size:
             raise ValueError(f"{len(payloads)} payloads for {self.tp_size} TP ranks")
         self.tensor_updates.append(len(payloads))
+        self.load_formats.append(load_format)
+        if load_format != "flattened_bucket":
+            if load_format not in self.weight_loaders:  # SGLang: NotImplementedError, success=False
+                raise SglangCallFailed(f"SGLang update_weights_from_tensor failed: Unknown load_format={load_format}")
+            module, _, func = load_format.rpartition(".")  # SGLang's dynamic_import
+            loader = getattr(importlib.import_module(module), func)
+            for model, blob in zip(self.models, payloads, strict=True):
+                loader(model, pickle.loads(blob))  # each rank its own payload
+            self._count_and_maybe_fail()
+            return
         rebuilt = []
         for blob in payloads:  # every rank unpickles its own payload once
             payload = pickle.loads(blob)
@@ -186,6 +207,20 @@ class FakeSglangRuntime:
 
     def shutdown(self) -> None:
         self.shut_down = True
+
+
+class FakeModel:
+    """A TP rank's model in :class:`FakeSglangRuntime`: ``load_weights`` copies into the fake's
+    weights (what custom weight loaders are handed)."""
+
+    def __init__(self, runtime: FakeSglangRuntime) -> None:
+        self.runtime = runtime
+        self.load_calls: list[list[str]] = []  # names of each load_weights call
+
+    def load_weights(self, weights: Any) -> None:
+        named = list(weights)
+        self.load_calls.append([n for n, _ in named])
+        self.runtime._load(named)
 
 
 class StreamingFakeSglangRuntime(FakeSglangRuntime):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from rollout_engines.types import EngineConfig
 from rollout_engines_sglang.engine import SglangOptions, capabilities_for, server_kwargs
+from rollout_engines_sglang.loader import LOADER
 
 
 def test_config_fields_and_passthrough_options() -> None:
@@ -42,3 +43,15 @@ def test_float32_is_refused_unless_rmsnorm_runs_through_the_triton_kernels() -> 
         server_kwargs(EngineConfig(backend="sglang", model="/m", dtype="float32"), SglangOptions())
     kw = server_kwargs(EngineConfig(backend="sglang", model="/m", dtype="bfloat16"), SglangOptions())
     assert kw["dtype"] == "bfloat16"
+
+
+def test_copy_plan_adds_the_plugins_weight_loader_to_sglangs_own() -> None:
+    config = EngineConfig(backend="sglang", model="/m")
+    on = SglangOptions.model_validate({"copy_plan": True})
+    assert server_kwargs(config, on)["custom_weight_loader"] == [LOADER]
+    mine = SglangOptions.model_validate({"custom_weight_loader": ["my_pkg.load"], "copy_plan": True})
+    assert server_kwargs(config, mine)["custom_weight_loader"] == ["my_pkg.load", LOADER]
+    again = SglangOptions.model_validate({"custom_weight_loader": [LOADER], "copy_plan": True})
+    assert server_kwargs(config, again)["custom_weight_loader"] == [LOADER]
+    off = SglangOptions.model_validate({})  # the default until the loader has run on a GPU
+    assert "custom_weight_loader" not in server_kwargs(config, off)

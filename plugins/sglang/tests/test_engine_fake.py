@@ -17,18 +17,21 @@ from rollout_engines.types import EngineConfig, GenerateRequest, SamplingParams,
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
 from rollout_engines.weights.session import connect_weight_sync
 from rollout_engines_sglang.engine import SglangEngine
+from rollout_engines_sglang.loader import LOADER, planned_loader
 from sglang_fake import FakeSglangRuntime, StreamingFakeSglangRuntime
 
 GREEDY = GenerateRequest(prompt_token_ids=[[5, 6, 7], [9]], sampling=SamplingParams(temperature=0.0, max_tokens=4))
 
 
 def make(tiny_model, *, tp_size: int = 1, streaming: bool = True, incremental: bool = False,
-         **options) -> tuple[SglangEngine, StreamingFakeSglangRuntime]:
+         weight_loaders: tuple[str, ...] = (), **options) -> tuple[SglangEngine, StreamingFakeSglangRuntime]:
     backup = options.get("enable_weights_cpu_backup", False)
     if streaming:
-        fake = StreamingFakeSglangRuntime(tiny_model, tp_size=tp_size, cpu_backup=backup, incremental=incremental)
+        fake = StreamingFakeSglangRuntime(tiny_model, tp_size=tp_size, cpu_backup=backup, incremental=incremental,
+                                          weight_loaders=weight_loaders)
     else:
-        fake = FakeSglangRuntime(tiny_model, tp_size=tp_size, cpu_backup=backup)  # type: ignore[assignment]
+        fake = FakeSglangRuntime(tiny_model, tp_size=tp_size, cpu_backup=backup,  # type: ignore[assignment]
+                                 weight_loaders=weight_loaders)
     config = EngineConfig(
         backend="sglang", model=str(tiny_model), dtype="float32", tensor_parallel_size=tp_size,
         options={"relay_device": "cpu", **options},
@@ -112,6 +115,42 @@ async def test_relayed_push_reaches_every_tp_rank(tiny_model) -> None:
     assert fake.flushes == flushes + 1 and engine.weight_version == 1
     comps = await engine.generate(GREEDY)
     assert comps[0].weight_version == 1
+
+
+async def test_relayed_pushes_go_through_the_copy_plan_loader(tiny_model) -> None:
+    """A runtime started with the plugin's loader gets every relayed bucket in the loader's form;
+    each rank's model records on the first push and replays on the next (load_weights then sees
+    only the names the plan cannot replay)."""
+    engine, fake = make(tiny_model, tp_size=2, weight_loaders=(LOADER,), copy_plan=True)
+    first = perturbed(checkpoint(tiny_model), seed=5)
+    assert await push(engine, first, version=1, bucket_bytes=64 * 1024) == 1
+    assert len(fake.load_formats) > 1 and set(fake.load_formats) == {LOADER}
+    assert all(torch.equal(fake.weights[n], t) for n, t in first.items())
+    recorded = {n for model in fake.models for call in model.load_calls for n in call}
+    assert recorded == set(first)
+
+    for model in fake.models:
+        model.load_calls.clear()
+    second = perturbed(checkpoint(tiny_model), seed=6)
+    assert await push(engine, second, version=2, bucket_bytes=64 * 1024) == 2
+    for name, t in second.items():
+        assert torch.equal(fake.weights[name], t), name
+    for model in fake.models:
+        fallback = planned_loader(model).plan.fallback
+        assert {n for call in model.load_calls for n in call} == fallback
+        assert len(fallback) < len(second) // 2  # the rest was copied
+    assert (await engine.generate(GREEDY))[0].weight_version == 2
+
+
+async def test_copy_plan_off_or_loader_missing_keeps_sglangs_flattened_bucket(tiny_model) -> None:
+    off, fake_off = make(tiny_model, weight_loaders=(LOADER,), copy_plan=False)
+    missing, fake_missing = make(tiny_model, copy_plan=True)  # a runtime not started with the loader
+    default, fake_default = make(tiny_model, weight_loaders=(LOADER,))  # off until it has run on a GPU
+    new = perturbed(checkpoint(tiny_model), seed=5)
+    for engine, fake in ((off, fake_off), (missing, fake_missing), (default, fake_default)):
+        assert await push(engine, new, version=1) == 1
+        assert set(fake.load_formats) == {"flattened_bucket"}
+        assert all(torch.equal(fake.weights[n], t) for n, t in new.items())
 
 
 async def test_rejected_manifest_changes_nothing(tiny_model) -> None:

@@ -166,6 +166,23 @@ def test_push_changes_then_restores_outputs(engine, original, transport, tmp_pat
     assert run(tokens(engine)) == reference
 
 
+@pytest.mark.parametrize("bucket_bytes", [None, 4096])
+def test_copy_plan_loader_records_then_replays_exactly(tiny_model, original, bucket_bytes):
+    """Option ``copy_plan``: SGLang imports the plugin's loader; the first push records where each
+    tensor lands, later ones copy directly. Each push is checked by the greedy tokens."""
+    eng = create_engine("sglang", model=str(tiny_model), dtype="bfloat16", copy_plan=True, **OPTIONS)
+    kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    try:
+        reference = run(tokens(eng))
+        for round_ in range(2):  # round 0 records, round 1 replays
+            run(push(eng, perturbed(original, seed=round_ + 1), 2 * round_ + 1, "cuda_ipc", **kw))
+            assert run(tokens(eng)) != reference
+            run(push(eng, original, 2 * round_ + 2, "cuda_ipc", **kw))
+            assert run(tokens(eng)) == reference
+    finally:
+        run(eng.close())
+
+
 @pytest.mark.parametrize("bucket_bytes", [4096, 65536 + 256])
 def test_small_buckets_do_not_garble_weights(engine, original, bucket_bytes):
     """sglang#14178: updates split into many small buckets must load exactly what was sent."""

@@ -1,6 +1,7 @@
 """Bucket payloads for SGLang, with real tensors: per-TP-rank flattened payloads of a core bucket
-survive serialization (in this process and in another one) and rebuild exactly; the compacted
-layout for ``sglang_nccl`` equals the buffer SGLang allocates for the same names."""
+and the copy-plan loader's payloads survive serialization (in this process and in another one) and
+rebuild exactly; the compacted layout for ``sglang_nccl`` equals the buffer SGLang allocates for
+the same names."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from rollout_engines.weights.buckets import alloc_bucket, pack_bucket
 from rollout_engines.weights.manifest import plan_manifest, specs_of
-from rollout_engines_sglang import payloads
+from rollout_engines_sglang import loader, payloads
 from rollout_engines_sglang._tensor_bucket import FlattenedTensorBucket
 
 
@@ -154,3 +155,53 @@ def test_stage_views_copies_into_one_aligned_buffer() -> None:
     for blob in blobs:  # each rank unpickles its own payload, once
         rebuilt = _rebuild(blob)
         assert all(torch.equal(rebuilt[n], t) for n, t in tensors.items())
+
+
+def _loader_views(blob: bytes) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """What the copy-plan loader gets from one rank's payload (a named-tensor list: the flat
+    buffer, its layout in the name) and the views it rebuilds."""
+    ((name, flat),) = pickle.loads(blob)
+    assert isinstance(name, str) and flat.dtype == torch.uint8 and flat.dim() == 1
+    return flat, dict(loader.bucket_views(flat, loader.parse_bucket_name(name)))
+
+
+def _loader_child(blob: bytes, conn) -> None:  # runs in a spawned process: only the payload crosses
+    _, rebuilt = _loader_views(blob)
+    conn.send({n: (str(t.dtype), tuple(t.shape), t.float().sum().item()) for n, t in rebuilt.items()})
+    conn.close()
+
+
+def test_loader_payload_rebuilds_views_of_one_buffer() -> None:
+    tensors = _tensors()
+    _, flat, meta = payloads.stage_views(list(tensors.items()), None, torch.device("cpu"))
+    blobs = payloads.loader_payloads(flat, meta, tp_size=2)
+    assert len(blobs) == 2 and blobs[0] is not blobs[1]  # one serialization per rank
+    received = [_loader_views(blob) for blob in blobs]  # each rank unpickles its own payload, once
+    for buffer, rebuilt in received:
+        assert list(rebuilt) == list(tensors)
+        for n, t in tensors.items():
+            view = rebuilt[n]
+            assert view.dtype == t.dtype and torch.equal(view, t), n
+            # a view of the one received buffer, no copy
+            assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    # Shared memory, as over CUDA IPC: the engine's staging buffer is what the views read.
+    flat.zero_()
+    assert all(not bool(t.any()) for t in received[0][1].values())
+
+
+def test_loader_payload_rebuilds_in_another_process() -> None:
+    tensors = _tensors()
+    _, flat, meta = payloads.stage_views(list(tensors.items()), None, torch.device("cpu"))
+    (blob,) = payloads.loader_payloads(flat, meta, tp_size=1)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_loader_child, args=(blob, child))
+    proc.start()
+    assert parent.poll(120), "child did not answer"
+    got = parent.recv()
+    proc.join(30)
+    assert proc.exitcode == 0
+    for name, t in tensors.items():
+        dtype, shape, total = got[name]
+        assert dtype == str(t.dtype) and shape == tuple(t.shape)
+        assert abs(total - t.float().sum().item()) < 1e-3, name

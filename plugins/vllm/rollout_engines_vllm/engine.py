@@ -136,7 +136,7 @@ class VllmOptions(BaseModel):
     copy_plan: bool = Field(
         default=True,
         description="CUDA: learn where each tensor lands on the first push, then load later pushes "
-        "by direct copies (rollout_engines_vllm.copy_plan) instead of vLLM's per-tensor loaders.",
+        "by direct copies (rollout_engines.weights.copy_plan) instead of vLLM's per-tensor loaders.",
     )
     prefix_cache_isolation: Literal["reset", "salt"] = Field(
         default="reset",

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
 from rollout_engines.proxy import WireError, raise_for_workers
+from rollout_engines.weights.copy_plan import PlannedLoader
 from rollout_engines.weights.fp8 import (
     SCALE_SUFFIX,
     is_fp8_form,
@@ -62,7 +63,7 @@ class VllmWeightTarget:
 
         self.use_reload = current_platform.is_cpu() and hasattr(worker, "reload_weights")
         self.use_copy_plan = copy_plan and not self.use_reload
-        self.plan: Any = None
+        self.plan = PlannedLoader() if self.use_copy_plan else None
         #: An FP8 block engine (option ``weight_quantization``): pushes come in BF16 (quantized here)
         #: or already quantized; ``select`` picks the form a manifest is checked against.
         self.fp8: Any = None
@@ -130,26 +131,10 @@ class VllmWeightTarget:
         def load(items: list[tuple[str, torch.Tensor]]) -> None:
             model.load_weights(iter(items))
 
-        if not self.use_copy_plan:
+        if self.plan is None:
             load(list(named))
             return
-        from .copy_plan import CopyPlan, record_copy_plan
-
-        plan = self.plan = self.plan or CopyPlan()
-        new = [(n, t) for n, t in named if n not in plan.shapes]
-        known = [(n, t) for n, t in named if n in plan.shapes]
-        if not owned:  # names that go through load_weights get their own copy (see above)
-            known = [(n, t if plan.covers(n, t) else t.clone()) for n, t in known]
-        if new:
-            # Learn where these names land by loading them once for real. The recorder tells
-            # tensors apart by storage and bucket views share one, so they are copied first.
-            learned = record_copy_plan([(n, t.clone()) for n, t in new], load)
-            plan.copies.update(learned.copies)
-            plan.fallback |= learned.fallback
-            plan.shapes.update(learned.shapes)
-        if known:
-            plan.apply(known, load)
-
+        self.plan.apply(named, load, owned=owned)
 
     def _refresh_tied_head(self) -> None:
         """Rebuild a tied LM head's packed GEMM weights after the embedding was reloaded.

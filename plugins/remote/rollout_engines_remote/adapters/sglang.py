@@ -61,6 +61,7 @@ class HttpSglangRuntime:
         self.model_path: str = str(model_info.get("model_path", ""))
         self.tp_size = int(server_info.get("tp_size", 1))
         self.context_length = server_info.get("context_length")
+        self.weight_loaders: tuple[str, ...] = tuple(server_info.get("custom_weight_loader") or ())
         tok_path = tokenizer or model_info.get("tokenizer_path") or self.model_path
         if not Path(tok_path).is_dir():
             raise ValueError(
@@ -119,13 +120,13 @@ class HttpSglangRuntime:
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "flush_cache": False, "load_format": "flattened_bucket"}, "update_weights_from_distributed")
 
-    async def update_from_tensor(self, payloads: list[bytes]) -> None:
+    async def update_from_tensor(self, payloads: list[bytes], load_format: str = "flattened_bucket") -> None:
         if len(payloads) != self.tp_size:
             raise ValueError(f"{len(payloads)} payloads for {self.tp_size} TP ranks; give one per rank")
         # The HTTP API takes each rank's serialized payload base64-encoded.
         await self._post("/update_weights_from_tensor", {
             "serialized_named_tensors": [base64.b64encode(p).decode() for p in payloads],
-            "load_format": "flattened_bucket", "flush_cache": False}, "update_weights_from_tensor")
+            "load_format": load_format, "flush_cache": False}, "update_weights_from_tensor")
 
     async def update_from_disk(self, path: str) -> None:
         await self._post("/update_weights_from_disk", {"model_path": path, "flush_cache": False},

@@ -1,0 +1,109 @@
+"""SGLang's custom weight loader for relayed pushes: a bucket loaded by a copy plan.
+
+SGLang's ``update_weights_from_tensor`` with ``load_format="flattened_bucket"`` rebuilds the
+tensors and runs the model's ``load_weights``: per-tensor Python loaders on every push. SGLang
+also calls a custom loader instead: a dotted path listed in its ``custom_weight_loader`` server
+argument and sent as the ``load_format`` is imported in every TP rank and called as
+``loader(model, named_tensors)`` (python/sglang/srt/model_executor/model_runner_components/
+weight_updater.py, ``update_weights_from_tensor``; each rank deserializes only its own payload and
+moves each tensor ``.to(device)``, a no-op for a CUDA IPC import of a buffer on its GPU).
+
+:func:`load_bucket` is that loader. A payload is one ``(name, tensor)`` pair: the tensor is the
+whole flat uint8 bucket and the *name* carries its layout, a compact JSON list (:func:`bucket_name`),
+because a tensor name is a plain string that crosses SGLang's restricted unpickler as it is; no
+class of ours is pickled. The loader rebuilds the views and applies them through a
+:class:`~rollout_engines.weights.copy_plan.PlannedLoader`, one per model: the first push of a name
+runs ``model.load_weights`` while recording where it lands, later pushes copy straight into the
+parameters; names the plan cannot replay go through ``load_weights`` every time.
+
+This module is imported inside SGLang's scheduler processes: keep it to torch and the core.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rollout_engines.weights.buckets import torch_dtype
+from rollout_engines.weights.copy_plan import CopyPlan, PlannedLoader
+
+#: The ``load_format`` (and ``custom_weight_loader`` entry) naming :func:`load_bucket`.
+LOADER = "rollout_engines_sglang.loader.load_bucket"
+#: Start of a tensor name that carries a bucket's layout.
+PREFIX = "rollout_engines.bucket:"
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """One tensor of a bucket: ``flat[start:end]`` viewed as ``dtype`` with ``shape``."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def bucket_name(entries: Iterable[BucketEntry]) -> str:
+    """The tensor name that carries ``entries`` (see the module docstring)."""
+    rows = [[e.name, str(e.dtype).removeprefix("torch."), list(e.shape), e.start, e.end] for e in entries]
+    return PREFIX + json.dumps(rows, separators=(",", ":"))
+
+
+def parse_bucket_name(name: str) -> list[BucketEntry]:
+    """The entries :func:`bucket_name` wrote into ``name``."""
+    if not name.startswith(PREFIX):
+        raise ValueError(f"not a bucket name (it starts with {name[:40]!r}, not {PREFIX!r})")
+    try:
+        return [
+            BucketEntry(str(n), torch_dtype(d), tuple(int(s) for s in shape), int(start), int(end))
+            for n, d, shape, start, end in json.loads(name[len(PREFIX):])
+        ]
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"malformed bucket layout in a tensor name: {exc}") from exc
+
+
+def bucket_views(flat: torch.Tensor, entries: Sequence[BucketEntry]) -> list[tuple[str, torch.Tensor]]:
+    """Views of the flat uint8 ``flat``, one per entry (as SGLang's ``FlattenedTensorBucket``
+    rebuilds them)."""
+    return [(e.name, flat[e.start : e.end].view(e.dtype).view(e.shape)) for e in entries]
+
+
+#: One planned loader per model object; gone with the model (SGLang's object is left untouched).
+_loaders: weakref.WeakKeyDictionary[Any, PlannedLoader] = weakref.WeakKeyDictionary()
+
+
+def planned_loader(model: Any) -> PlannedLoader:
+    """The :class:`PlannedLoader` of ``model`` (created on first use)."""
+    loader = _loaders.get(model)
+    if loader is None:
+        # Every push brings new views (of a new CUDA IPC import): none is worth keeping, and kept
+        # ones would pin the sender's staging buffer until the next push.
+        loader = _loaders[model] = PlannedLoader(CopyPlan(reuse_views=False))
+    return loader
+
+
+def load_bucket(model: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """SGLang's custom weight loader (``load_format=LOADER``): load the buckets in ``named_tensors``
+    (and any plain named tensors) into ``model``."""
+    named: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in named_tensors:
+        if name.startswith(PREFIX):
+            named += bucket_views(tensor, parse_bucket_name(name))
+        else:
+            named.append((name, tensor))
+
+    def load(items: list[tuple[str, torch.Tensor]]) -> None:
+        model.load_weights(items)
+
+    # Not owned: the views are of the sender's staging buffer, which it refills once SGLang answers.
+    planned_loader(model).apply(named, load, owned=False)
+    # SGLang answers without waiting for the GPU; the copies must be done before the sender reuses
+    # its buffer (load_weights' Python loop hid this, direct copies return at once).
+    devices = {t.device for _, t in named if t.is_cuda}
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()

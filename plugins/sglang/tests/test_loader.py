@@ -1,0 +1,193 @@
+"""The copy-plan loader SGLang calls for relayed pushes (``rollout_engines_sglang.loader``), with
+real tensors: the payload the engine builds is unpickled as an SGLang rank does, the first bucket
+loads through ``load_weights`` while the plan records, later ones are replayed by direct copies
+and leave exactly the parameters ``load_weights`` would."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from rollout_engines_sglang import loader, payloads
+
+H, KV, FF, VOCAB = 8, 4, 12, 16
+
+
+class Qwen2LikeSglang(torch.nn.Module):
+    """A stand-in for SGLang's ``Qwen2ForCausalLM`` (python/sglang/srt/models/qwen2.py), one layer,
+    TP rank ``rank`` of ``tp``: fused ``qkv_proj`` and ``gate_up_proj`` parameters, filled by
+    ``load_weights`` through SGLang's ``stacked_params_mapping`` and per-parameter loaders that
+    narrow the checkpoint tensor to this rank's shard and ``copy_`` it into a slice of the fused
+    parameter (QKVParallelLinear / MergedColumnParallelLinear ``weight_loader``); other names go
+    through ``default_weight_loader`` (a plain ``copy_``). ``rotary_emb.inv_freq`` and a tied
+    ``lm_head.weight`` are skipped, as SGLang skips them. ``model.norm.weight`` is kept in float32
+    while the checkpoint is bfloat16: its load converts, which a copy plan cannot replay."""
+
+    stacked_params_mapping = [
+        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, tp: int = 2, rank: int = 1) -> None:
+        super().__init__()
+        self.tp, self.rank = tp, rank
+        bf16 = torch.bfloat16
+
+        def p(*shape: int, dtype: torch.dtype = bf16) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+        self.params = {
+            "model.embed_tokens.weight": p(VOCAB, H),
+            "model.layers.0.self_attn.qkv_proj.weight": p((H + 2 * KV) // tp, H),
+            "model.layers.0.self_attn.qkv_proj.bias": p((H + 2 * KV) // tp),
+            "model.layers.0.self_attn.o_proj.weight": p(H, H // tp),
+            "model.layers.0.mlp.gate_up_proj.weight": p(2 * FF // tp, H),
+            "model.layers.0.mlp.down_proj.weight": p(H, FF // tp),
+            "model.norm.weight": p(H, dtype=torch.float32),
+        }
+        for i, (name, param) in enumerate(self.params.items()):
+            self.register_parameter(f"p{i}", param)
+            param.weight_loader = self._loader_for(name)  # type: ignore[attr-defined]
+
+    def _loader_for(self, name: str):  # type: ignore[no-untyped-def]
+        if "qkv_proj" in name:
+            return self._qkv_loader
+        if "gate_up_proj" in name:
+            return self._gate_up_loader
+        if "o_proj" in name or "down_proj" in name:
+            return self._row_loader
+        return None
+
+    def _qkv_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str) -> None:
+        sizes = {"q": H // self.tp, "k": KV // self.tp, "v": KV // self.tp}
+        offset = {"q": 0, "k": sizes["q"], "v": sizes["q"] + sizes["k"]}[shard_id]
+        size = sizes[shard_id]
+        loaded = loaded.narrow(0, self.rank * size, size)
+        param.data.narrow(0, offset, size).copy_(loaded)
+
+    def _gate_up_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int) -> None:
+        size = FF // self.tp
+        param.data.narrow(0, shard_id * size, size).copy_(loaded.narrow(0, self.rank * size, size))
+
+    def _row_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        size = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.rank * size, size))
+
+    def load_weights(self, weights) -> None:  # type: ignore[no-untyped-def]
+        params_dict = self.params
+        for name, loaded_weight in weights:
+            if "rotary_emb.inv_freq" in name or "lm_head.weight" in name:
+                continue
+            for param_name, weight_name, shard_id in self.stacked_params_mapping:
+                if weight_name not in name:
+                    continue
+                name = name.replace(weight_name, param_name)
+                param = params_dict[name]
+                param.weight_loader(param, loaded_weight, shard_id)  # type: ignore[attr-defined]
+                break
+            else:
+                if name in params_dict:
+                    param = params_dict[name]
+                    load = param.weight_loader or _default_weight_loader  # type: ignore[attr-defined]
+                    load(param, loaded_weight)
+
+
+def _default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    param.data.copy_(loaded)
+
+
+def _checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    attn = "model.layers.0.self_attn."
+    return {
+        "model.embed_tokens.weight": r(VOCAB, H),
+        attn + "q_proj.weight": r(H, H), attn + "k_proj.weight": r(KV, H), attn + "v_proj.weight": r(KV, H),
+        attn + "q_proj.bias": r(H), attn + "k_proj.bias": r(KV), attn + "v_proj.bias": r(KV),
+        attn + "o_proj.weight": r(H, H),
+        "model.layers.0.mlp.gate_proj.weight": r(FF, H), "model.layers.0.mlp.up_proj.weight": r(FF, H),
+        "model.layers.0.mlp.down_proj.weight": r(H, FF),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": r(H // 2),
+        "model.norm.weight": r(H),
+        "lm_head.weight": r(VOCAB, H),
+    }
+
+
+def _received(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """What an SGLang rank hands its custom loader: the payload the engine builds for it,
+    unpickled (then ``.to(device)``, a no-op here)."""
+    _, flat, metadata = payloads.stage_views(list(tensors.items()), None, torch.device("cpu"))
+    (blob,) = payloads.loader_payloads(flat, metadata, tp_size=1)
+    return pickle.loads(blob)
+
+
+def _spy(model: Qwen2LikeSglang) -> list[str]:
+    seen: list[str] = []
+    real = model.load_weights
+
+    def load_weights(weights) -> None:  # type: ignore[no-untyped-def]
+        items = list(weights)
+        seen.extend(n for n, _ in items)
+        real(items)
+
+    model.load_weights = load_weights  # type: ignore[method-assign]
+    return seen
+
+
+def _assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+def test_first_bucket_loads_and_records_later_ones_replay_exactly() -> None:
+    model, reference = Qwen2LikeSglang(), Qwen2LikeSglang()
+    seen = _spy(model)
+    first = _checkpoint(0)
+    loader.load_bucket(model, _received(first))
+    reference.load_weights(list(first.items()))
+    _assert_same(model, reference)
+    assert set(seen) == set(first)  # loaded for real, once, while recording
+    plan = loader.planned_loader(model).plan
+    # The converting norm, and the names SGLang skips (nothing to replay), stay on load_weights.
+    assert plan.fallback == {"model.norm.weight", "lm_head.weight", "model.layers.0.self_attn.rotary_emb.inv_freq"}
+
+    for seed in (1, 2):
+        seen.clear()
+        new = _checkpoint(seed)
+        loader.load_bucket(model, _received(new))
+        reference.load_weights(list(new.items()))
+        _assert_same(model, reference)
+        assert sorted(seen) == sorted(plan.fallback)  # the rest by direct copies
+    assert plan._views == {}  # nothing of the last push's buffer is kept
+    assert loader.planned_loader(model) is loader.planned_loader(model)
+    assert loader.planned_loader(reference) is not loader.planned_loader(model)  # one plan per model
+
+
+def test_plain_named_tensors_pass_through() -> None:
+    model, reference = Qwen2LikeSglang(), Qwen2LikeSglang()
+    tensors = _checkpoint(3)
+    plain = [("model.norm.weight", tensors.pop("model.norm.weight"))]
+    loader.load_bucket(model, _received(tensors) + plain)
+    reference.load_weights(list(tensors.items()) + plain)
+    _assert_same(model, reference)
+
+
+def test_bucket_layout_round_trips_through_the_name() -> None:
+    entries = [
+        loader.BucketEntry("model.embed_tokens.weight", torch.bfloat16, (16, 8), 0, 256),
+        loader.BucketEntry("model.norm.weight", torch.float32, (8,), 256, 288),
+        loader.BucketEntry("scalar", torch.int64, (), 512, 520),
+    ]
+    name = loader.bucket_name(entries)
+    assert name.startswith(loader.PREFIX) and " " not in name
+    assert loader.parse_bucket_name(name) == entries
+    with pytest.raises(ValueError, match="not a bucket name"):
+        loader.parse_bucket_name("model.norm.weight")
+    with pytest.raises(ValueError, match="malformed"):
+        loader.parse_bucket_name(loader.PREFIX + '[["w","no_such_dtype",[1],0,4]]')
+    with pytest.raises(ValueError, match="malformed"):
+        loader.parse_bucket_name(loader.PREFIX + "{not json")
