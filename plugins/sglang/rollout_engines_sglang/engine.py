@@ -20,7 +20,10 @@ SGLang's ``abort_request(rid)`` (aborted requests end with their tokens so far).
   with the weights current then. So a push while paused is followed by tokens the new weights make
   from prompt + tokens so far (what ``continue_from`` gives), and the prefix-cache flush after the
   push succeeds (SGLang's flush fails while ``in_place`` requests hold the running batch; see
-  ``PauseGenerationReqInput`` in SGLang's python/sglang/srt/managers/io_struct.py).
+  ``PauseGenerationReqInput`` in SGLang's python/sglang/srt/managers/io_struct.py). Chunks that
+  arrive while paused carry tokens made before the pause (SGLang answers the pause before its
+  detokenizer delivered them) and are tagged with the version of then; resume reads those still
+  on their way (briefly, bounded) before SGLang continues.
 
 ``continue_from`` sends prompt + earlier tokens as ``input_ids`` and puts the earlier tokens (with
 their logprobs and weight versions) in front of the new ones. A runtime without streaming (the
@@ -66,6 +69,7 @@ import asyncio
 import importlib.util
 import logging
 import os
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -103,6 +107,10 @@ logger = logging.getLogger("rollout_engines.sglang")
 RELAY_TRANSPORTS = ("cuda_ipc", "nccl", "gloo", "shm", "inproc")
 #: How often a request waiting on SGLang checks whether a worker process has failed.
 FAILURE_POLL_S = 0.25
+#: resume() after a ``keep`` pause first reads chunks still on their way, until none came for
+#: this long (at most KEPT_DRAIN_MAX_S).
+KEPT_DRAIN_QUIET_S = 0.01
+KEPT_DRAIN_MAX_S = 0.2
 T = TypeVar("T")
 
 
@@ -288,6 +296,11 @@ class SglangEngine(Engine):
         #: rid -> sequence, of every request running through SGLang's stream.
         self._live: dict[str, _Seq] = {}
         self._abort_tasks: set[asyncio.Task[None]] = set()
+        #: While paused in ``keep``: the version of the tokens SGLang made before the pause. Their
+        #: chunks may arrive after it (and after a push): SGLang answers the pause to the tokenizer
+        #: manager directly, while outputs take the longer way through the detokenizer.
+        self._kept_version: int | None = None
+        self._last_chunk = 0.0  # time.monotonic() of the last chunk read
 
     # ---- start ---------------------------------------------------------------------------------
     def _start_runtime(self) -> SglangRuntime:
@@ -415,7 +428,9 @@ class SglangEngine(Engine):
                 q = by_rid.get(str(meta.get("id", "")))
                 if q is None:  # a single request's chunk carries no index (tokenizer_manager.py)
                     q = plan.seqs[int(chunk.get("index", 0))]
-                start, end = q.out.absorb(chunk, self.weight_version)
+                self._last_chunk = time.monotonic()
+                version = self.weight_version if self._kept_version is None else self._kept_version
+                start, end = q.out.absorb(chunk, version)
                 yield q, start, end
         finally:
             for rid in by_rid:
@@ -580,7 +595,12 @@ class SglangEngine(Engine):
         runtime = self.runtime
         if mode == "keep":
             assert isinstance(runtime, SglangStreamingRuntime)
-            await runtime.pause_mode("retract")
+            self._kept_version = self.weight_version
+            try:
+                await runtime.pause_mode("retract")
+            except BaseException:
+                self._kept_version = None
+                raise
             return
         if mode == "abort":
             assert isinstance(runtime, SglangStreamingRuntime)
@@ -593,6 +613,13 @@ class SglangEngine(Engine):
             await runtime.pause()
 
     async def _resume(self) -> None:
+        if self._kept_version is not None:
+            # Chunks of tokens made before the pause may still be on their way (see _kept_version):
+            # read them under the old version first. Bounded: SGLang makes no tokens while paused.
+            deadline = time.monotonic() + KEPT_DRAIN_MAX_S
+            while time.monotonic() - self._last_chunk < KEPT_DRAIN_QUIET_S and time.monotonic() < deadline:
+                await asyncio.sleep(0.002)
+            self._kept_version = None
         await self.runtime.resume()
 
     # ---- weights -------------------------------------------------------------------------------

@@ -244,6 +244,10 @@ class StreamingFakeSglangRuntime(FakeSglangRuntime):
       'in_place' stop the scheduler until ``continue_generation``.
 
     One token per sequence per step (``step_s`` apart), made from the weights current at that step.
+    ``late_delivery``: each chunk arrives one step after it was made, and the chunks made before a
+    pause arrive only at :meth:`release_late` (or at resume): SGLang answers a pause to the
+    tokenizer manager directly while outputs go through the detokenizer, so outputs made before
+    the pause can arrive after it (and after a push); this makes that order certain.
     """
 
     def __init__(self, *a: Any, incremental: bool = False, step_s: float = 0.002, **k: Any) -> None:
@@ -258,6 +262,9 @@ class StreamingFakeSglangRuntime(FakeSglangRuntime):
         self._running.set()
         self._admit = asyncio.Event()
         self._admit.set()
+        self.late_delivery = False
+        self._caught_up = asyncio.Event()  # cleared by a pause (late_delivery); set by release_late or resume
+        self._caught_up.set()
 
     async def generate_stream(self, *, input_ids: list[list[int]], sampling_params: list[dict], rid: list[str],
                               **kw: Any) -> AsyncIterator[dict[str, Any]]:
@@ -274,9 +281,15 @@ class StreamingFakeSglangRuntime(FakeSglangRuntime):
         outs: dict[str, list[int]] = {r: [] for r in rid}
         done: set[str] = set()
         k_top = int(kw.get("top_logprobs_num") or 0)
+        pending: dict[str, dict[str, Any]] = {}  # late_delivery: made, not yet delivered
         try:
             while len(done) < len(rid):
                 await asyncio.sleep(self.step_s)
+                if pending and not self._running.is_set():
+                    await self._caught_up.wait()
+                    for chunk in list(pending.values()):
+                        yield chunk
+                    pending.clear()
                 await self._running.wait()
                 for i, (r, ids, sp) in enumerate(zip(rid, input_ids, sampling_params, strict=True)):
                     if r in done:
@@ -290,7 +303,14 @@ class StreamingFakeSglangRuntime(FakeSglangRuntime):
                         token = (sum(ids) + self.fingerprint() + shifts[i] + i * (sp["temperature"] > 0)) % self.vocab_size
                         out.append(token)
                         finish = {"type": "length", "length": len(out)} if len(out) == sp["max_new_tokens"] else None
-                    yield self._chunk(i, r, ids, out, start, finish, kw, k_top)
+                    chunk = self._chunk(i, r, ids, out, start, finish, kw, k_top)
+                    earlier = pending.pop(r, None)
+                    if earlier is not None:
+                        yield earlier
+                    if self.late_delivery and finish is None:
+                        pending[r] = chunk
+                    else:
+                        yield chunk
                     if finish is not None:
                         done.add(r)
         finally:
@@ -342,8 +362,15 @@ class StreamingFakeSglangRuntime(FakeSglangRuntime):
                 await asyncio.sleep(self.step_s)
         else:
             self._running.clear()
+            if self.late_delivery:
+                self._caught_up.clear()
+
+    def release_late(self) -> None:
+        """Deliver the chunks made before the pause (``late_delivery``)."""
+        self._caught_up.set()
 
     async def resume(self) -> None:
         self.paused = False
+        self._caught_up.set()
         self._running.set()
         self._admit.set()

@@ -434,6 +434,30 @@ async def test_keep_push_resume_tags_tokens_with_their_weights(tiny_model) -> No
     assert out.token_ids[switch] != out.token_ids[0]  # the fake's tokens follow its weights
 
 
+async def test_tokens_made_before_a_keep_pause_keep_their_version_when_they_arrive_after_the_push(tiny_model) -> None:
+    """SGLang answers pause(retract) before its detokenizer delivered the last outputs: chunks made
+    under the old weights can arrive after the push (the fake's ``late_delivery`` makes it certain)."""
+    import asyncio
+
+    engine, fake = make(tiny_model)
+    fake.late_delivery = True
+    task = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=[[5, 6]],
+                                                                 sampling=SamplingParams(temperature=0.0, max_tokens=250))))
+    await asyncio.sleep(0.05)
+    await engine.pause("keep")
+    assert await push(engine, perturbed(checkpoint(tiny_model)), version=1) == 1
+    fake.release_late()  # the last chunk made under version 0 arrives now, after the push
+    await asyncio.sleep(0.05)
+    await engine.resume()
+    out = (await asyncio.wait_for(task, 10))[0]
+    versions = out.versions()
+    switch = versions.index(1)
+    assert 0 < switch < 250 and versions == [0] * switch + [1] * (250 - switch)
+    # The fake makes one token per weight set for this prompt: the version says which weights made it.
+    old, new = out.token_ids[0], out.token_ids[-1]
+    assert old != new and out.token_ids == [old] * switch + [new] * (250 - switch)
+
+
 async def test_continue_from_sends_prompt_and_earlier_tokens(tiny_model) -> None:
     engine, fake = make(tiny_model)
     s = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0)
