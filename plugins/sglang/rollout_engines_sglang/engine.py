@@ -137,6 +137,10 @@ class SglangOptions(BaseModel):
         default=None, description="CUDA device of this process that relayed transports receive on."
     )
     log_level: str = "error"
+    start_timeout_s: float = Field(
+        default=600.0, gt=0, description="Seconds SGLang may take to start (load the model, compile kernels) "
+        "before its processes are stopped and the start fails with EngineUnavailable.",
+    )
     copy_plan: bool = Field(
         default=False,
         description="(Not yet run on a GPU.) Relayed pushes: learn on the first push where each tensor lands and load later pushes "
@@ -325,7 +329,7 @@ class SglangEngine(Engine):
         self._unguard = guard_child_failure_signal(self._on_worker_failure)
         try:
             with launch_env(changes):
-                return InProcessRuntime(kwargs)
+                return InProcessRuntime(kwargs, start_timeout_s=self.options.start_timeout_s)
         except BaseException:
             self._unguard()
             raise

@@ -14,19 +14,60 @@
 * The blocking helpers of ``sglang.Engine`` (``flush_cache()``, ``release_memory_occupation()``,
   ...) run ``loop.run_until_complete`` and cannot be used from a running loop; the adapter awaits
   the tokenizer manager's coroutines they wrap instead.
+* Start-up is bounded (``start_timeout_s``): ``sglang.Engine`` waits for its schedulers as long as
+  they live, so past the limit the processes it started are stopped, which ends that wait, and the
+  start fails with :class:`~rollout_engines.errors.EngineUnavailable`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from rollout_engines.backend_kit import LoopThread
+from rollout_engines.errors import EngineUnavailable
 
 logger = logging.getLogger("rollout_engines.sglang")
 
 T = TypeVar("T")
+
+
+#: How long a timed-out start may take to unwind once its processes are stopped.
+START_UNWIND_S = 30.0
+
+
+def _descendants() -> set[int]:
+    """This process's descendants (pids), or nothing where psutil is missing (SGLang needs it)."""
+    try:
+        import psutil
+    except ImportError:
+        return set()
+    return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+
+
+def _stop(pids: set[int], grace_s: float = 5.0) -> set[int]:
+    """SIGTERM ``pids``, then SIGKILL what is left after ``grace_s``; returns those signalled."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            proc.send_signal(signal.SIGTERM)
+            procs.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    _gone, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    return {p.pid for p in procs}
 
 
 class SglangCallFailed(RuntimeError):
@@ -124,11 +165,27 @@ def _check(result: Any, what: str) -> None:
 class InProcessRuntime:
     """``sglang.Engine`` on its own loop thread (see the module docstring)."""
 
-    def __init__(self, server_kwargs: dict[str, Any]) -> None:
+    def __init__(self, server_kwargs: dict[str, Any], *, start_timeout_s: float = 600.0) -> None:
         self._loop = LoopThread("roe-sglang")
+        before = _descendants()
         try:
             # Constructed on the loop, so sglang.Engine adopts it (get_running_loop()).
-            self._engine = self._loop.run(self._construct(server_kwargs))
+            future = self._loop.submit(self._construct(server_kwargs))
+            try:
+                self._engine = future.result(start_timeout_s)
+            except TimeoutError:
+                if future.done():
+                    raise
+                stopped = _stop(_descendants() - before)
+                try:  # SGLang notices its schedulers died within its 5 s poll and raises
+                    future.result(START_UNWIND_S)
+                except BaseException:  # noqa: BLE001 - the start failed, as it should now
+                    pass
+                raise EngineUnavailable(
+                    f"SGLang did not start within {start_timeout_s:.0f} s (option start_timeout_s); the "
+                    f"{len(stopped)} processes it had started were stopped. See SGLang's log (option "
+                    "log_level='info'); a first start on a machine compiles kernels: raise start_timeout_s"
+                ) from None
         except BaseException:
             self._loop.close()
             raise
