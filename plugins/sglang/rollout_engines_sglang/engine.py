@@ -91,7 +91,9 @@ from rollout_engines.types import (
     Completion,
     EngineConfig,
     GenerateRequest,
+    LastReceive,
     PauseMode,
+    ReceiveTimings,
     StreamDelta,
 )
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, validate_manifest
@@ -745,6 +747,8 @@ class SglangEngine(Engine):
             raise
         finally:
             target.release()
+        # The host's receiver: 'apply' is staging plus SGLang's update_weights_from_tensor.
+        self._last_receive = LastReceive(version=manifest.version, workers=[ReceiveTimings.of(t.receiver.last_timings)])
 
     async def _receive_lora(self, manifest: WeightManifest) -> None:
         """Receive an adapter through the weight transfer and load it into SGLang (:mod:`.lora`)."""

@@ -140,6 +140,8 @@ async def test_relayed_pushes_go_through_the_copy_plan_loader(tiny_model) -> Non
         assert {n for call in model.load_calls for n in call} == fallback
         assert len(fallback) < len(second) // 2  # the rest was copied
     assert (await engine.generate(GREEDY))[0].weight_version == 2
+    last = (await engine.diagnostics()).last_receive  # what `bench push` reports as worker phases
+    assert last is not None and last.version == 2 and last.workers[0].apply_s > 0
 
 
 async def test_copy_plan_off_or_loader_missing_keeps_sglangs_flattened_bucket(tiny_model) -> None:
