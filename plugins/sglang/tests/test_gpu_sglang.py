@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.gpu, pytest.mark.timeout(900)]
 #: Small enough to share the GPU with a second engine in the same test. Triton attention and the
 #: PyTorch sampler need no kernels beyond SGLang's own (FA3 and flashinfer are optional builds).
 OPTIONS = {"mem_fraction_static": 0.25, "disable_cuda_graph": True, "attention_backend": "triton",
-           "sampling_backend": "pytorch"}
+           "sampling_backend": "pytorch", "start_timeout_s": 240}
 
 REQUEST = GenerateRequest(
     prompt_token_ids=[[(i * 41) % 4000 + 10 for i in range(200)], [5, 6, 7, 8], [17] * 9],
