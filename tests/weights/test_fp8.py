@@ -58,6 +58,34 @@ def test_round_trip_within_the_e4m3_bound(shape, dtype):
     assert float(q.float().abs().max()) == FP8_MAX
 
 
+def _quantize_through_float32(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The format's arithmetic spelled out on a float32 copy: what quantize_fp8_block must equal."""
+    n, k = w.shape
+    bn, bk = block
+    nb, kb = -(-n // bn), -(-k // bk)
+    x = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).view(nb, bn, kb, bk)
+    scale_inv = x.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (x / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(nb * bn, kb * bk)[:n, :k].contiguous(), scale_inv
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (1, 257)])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_same_bits_as_quantizing_a_float32_copy(dtype, shape, layout):
+    """No float32 copy of the weights is made, and the bits are those of quantizing one: block
+    maxima of bf16/fp16 are exact in their own dtype and the division promotes to float32."""
+    torch.manual_seed(1)
+    w = (torch.randn(shape) * torch.logspace(-6, 2, shape[0])[:, None]).to(dtype)
+    w[0, :3] = torch.tensor([0.0, -0.0, 1e-30], dtype=torch.float64).to(dtype)  # zeros, an underflow
+    if layout == "transposed":
+        w = w.t().contiguous().t()  # the same values, column-major
+    q, s = quantize_fp8_block(w)
+    q_ref, s_ref = _quantize_through_float32(w)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 def test_non_multiple_dims_use_the_elements_that_exist():
     w = torch.zeros(130, 130)
     w[129, 129] = 3.0  # alone in the edge block (1, 1)

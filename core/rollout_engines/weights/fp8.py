@@ -80,19 +80,26 @@ def scale_shape(shape: Sequence[int], block: tuple[int, int] = BLOCK) -> tuple[i
 
 def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` (2-D, any float dtype) -> ``(q, scale_inv)``: ``q`` float8_e4m3fn of ``w``'s shape,
-    ``scale_inv`` float32 ``[ceil(N/bn), ceil(K/bk)]``, on ``w``'s device."""
+    ``scale_inv`` float32 ``[ceil(N/bn), ceil(K/bk)]``, on ``w``'s device.
+
+    The arithmetic is float32 (the block maxima, ``scale_inv = amax / 448``, ``w / scale_inv``
+    rounded to e4m3), without a float32 copy of the weights: ``|w|`` and its block maxima are exact
+    in bf16/fp16, and the division promotes each element to float32 as it goes (fewer passes over
+    memory, the same bits as quantizing ``w.float()``)."""
     if w.dim() != 2:
         raise ValueError(f"FP8 block quantization takes 2-D weights, not shape {list(w.shape)}")
     n, k = w.shape
     bn, bk = block
     nb, kb = scale_shape((n, k), block)
-    x = w.float()
+    x = w.detach()
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        x = x.float()  # float64 (and integers) round to float32 first, as the format's arithmetic is float32
     if (n, k) != (nb * bn, kb * bk):  # zeros do not change a block's absolute maximum
         x = torch.nn.functional.pad(x, (0, kb * bk - k, 0, nb * bn - n))
-    blocks = x.view(nb, bn, kb, bk)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp_(min=AMAX_FLOOR)
+    blocks = x.contiguous().view(nb, bn, kb, bk)
+    amax = blocks.abs().amax(dim=(1, 3)).float().clamp_(min=AMAX_FLOOR)
     scale_inv = amax / FP8_MAX
-    q = (blocks / scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = torch.div(blocks, scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.view(nb * bn, kb * bk)
     if (n, k) != (nb * bn, kb * bk):
         q = q[:n, :k].contiguous()
