@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -51,18 +51,16 @@ class PlainVllmServer:
     """``python -m vllm.entrypoints.openai.api_server`` with the dev endpoints and the worker
     extension of the vLLM plugin (what a user runs to let the remote backend push weights)."""
 
-    def __init__(self, model: str, log: Path, *, dtype: str = "float32", worker_extension: bool = True,
-                 extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str, log: Path) -> None:
         from rollout_engines_remote.launch import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "wb")  # noqa: SIM115 - closed in stop()
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-                "--port", str(self.port), "--dtype", dtype, "--enforce-eager", *extra_args]
-        if worker_extension:
-            args += ["--worker-extension-cls", "rollout_engines_vllm.worker_ext.WorkerExtension"]
-        env = {**os.environ, **VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+                "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
+                "--worker-extension-cls", "rollout_engines_vllm.worker_ext.WorkerExtension"]
+        env = {**os.environ, **VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1"}
         self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait(self, timeout_s: float = 600) -> None:

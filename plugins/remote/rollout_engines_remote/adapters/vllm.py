@@ -8,37 +8,28 @@ plane needs the server's development endpoints (``VLLM_SERVER_DEV_MODE=1``): ``/
 ``/collective_rpc``, so the server must be started with
 ``--worker-extension-cls rollout_engines_vllm.worker_ext.WorkerExtension`` (and the plugin
 importable there); each worker then hosts the core's receiver for ``gloo``/``nccl``/``shm``/``disk``.
-Without the extension, a server on a GPU started with vLLM's IPC weight-transfer engine
-(``--weight-transfer-config '{"backend": "ipc"}'``) receives ``cuda_ipc`` pushes through vLLM's own
-RL routes (:mod:`.vllm_ipc`).
 
 Capabilities are what the server turns out to support when the engine connects: no dev mode, no
-control plane; no worker extension and no IPC weight-transfer engine, no weight transports; CPU,
-no sleep.
+control plane; no worker extension, no weight transports; CPU, no sleep.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 import httpx
 from rollout_engines.backend_kit import finish_reason
 from rollout_engines.engine import Capabilities
-from rollout_engines.errors import WeightsInvalidated, WeightSyncError
+from rollout_engines.errors import WeightSyncError
 from rollout_engines.proxy import raise_for_workers
 from rollout_engines.types import Completion, GenerateRequest, PauseMode, SamplingParams
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 
 from .base import ServerAdapter
 
-logger = logging.getLogger("rollout_engines.remote.vllm")
-
 WORKER_EXTENSION = "rollout_engines_vllm.worker_ext.WorkerExtension"
-#: The vLLM weight-transfer backend :mod:`.vllm_ipc` speaks.
-NATIVE_BACKEND = "ipc"
 CPU_TRANSPORTS = ("gloo", "shm", "disk")
 CUDA_TRANSPORTS = ("nccl", "cuda_ipc", "gloo", "shm", "disk")
 
@@ -87,13 +78,6 @@ class VllmServerAdapter(ServerAdapter):
         transports: tuple[str, ...] = ()
         if workers:
             transports = CUDA_TRANSPORTS if device.startswith("cuda") else CPU_TRANSPORTS
-        #: vLLM's own IPC weight-transfer engine takes the pushes (no worker extension)
-        self.native_ipc = (not workers and self.dev_mode is not None and device.startswith("cuda")
-                           and self.dev_mode.get("weight_transfer") == NATIVE_BACKEND)
-        self._native: dict[str, Any] | None = None  # receiver and target of the open weight sync
-        self._invalid: str | None = None
-        if self.native_ipc:
-            transports = ("cuda_ipc",)
         sleep = self.dev_mode is not None and bool(self.dev_mode.get("sleep_mode")) and device.startswith("cuda")
         self.capabilities = Capabilities(
             chat=True, logprobs=True, n=True, stop_strings=True, seed=True, weights_kept_on_sleep=True,
@@ -102,8 +86,7 @@ class VllmServerAdapter(ServerAdapter):
             tensor_parallel=len(workers) > 1, multi_process=True,
         )
         self.served = {"backend": "vllm", "model": self.model, "device": device, "workers": workers,
-                       "dev_mode": self.dev_mode is not None,
-                       "weight_transfer": "vllm ipc engine" if self.native_ipc else ("worker extension" if workers else None)}
+                       "dev_mode": self.dev_mode is not None}
 
     def _dev_info(self) -> dict[str, Any] | None:
         try:
@@ -113,11 +96,8 @@ class VllmServerAdapter(ServerAdapter):
         config = info.get("vllm_config") if isinstance(info, dict) else None
         config = config if isinstance(config, dict) else {}
         device = (config.get("device_config") or {}).get("device_type") or (config.get("device_config") or {}).get("device")
-        model_config = config.get("model_config") or {}
-        transfer = config.get("weight_transfer_config")
-        return {"device": str(device or "cpu"), "sleep_mode": bool(model_config.get("enable_sleep_mode", False)),
-                "weight_transfer": transfer.get("backend") if isinstance(transfer, dict) else None,
-                "model_path": model_config.get("model"), "dtype": model_config.get("dtype")}
+        sleep_mode = (config.get("model_config") or {}).get("enable_sleep_mode", False)
+        return {"device": str(device or "cpu"), "sleep_mode": bool(sleep_mode)}
 
     def _workers(self) -> list[dict[str, Any]]:
         try:
@@ -133,8 +113,6 @@ class VllmServerAdapter(ServerAdapter):
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest, weight_version: int) -> list[Completion]:
-        if self._invalid is not None:
-            raise WeightsInvalidated(f"vllm server: {self._invalid}; generation is refused until a complete push")
         s = request.sampling
         if request.messages is not None:
             parts = await asyncio.gather(*(self._chat(i, conv, s, weight_version)
@@ -223,82 +201,18 @@ class VllmServerAdapter(ServerAdapter):
         return await self.api.request("POST", "/collective_rpc", json=body, timeout=timeout + 30)
 
     async def init_weight_transfer(self, spec: TransportSpec) -> None:
-        if self.native_ipc:
-            await self._init_native(spec)
-            return
         out = await self._rpc("roe_init_weight_transfer", spec.model_dump_json(), timeout=spec.timeout_s + 30)
         worker_results(out, f"joining the '{spec.transport}' weight sync")
 
     async def receive_weights(self, manifest: WeightManifest) -> int:
-        if self.native_ipc:
-            return await self._receive_native(manifest)
         timeout = manifest.timeout_s * (len(manifest.buckets) + 2)
         out = await self._rpc("roe_receive_weights", manifest.model_dump_json(), timeout=timeout)
         worker_results(out, f"weight update v{manifest.version}", applies_weights=True)
         return manifest.version
 
     async def close_weight_transfer(self) -> None:
-        if self.native_ipc:
-            native, self._native = self._native, None
-            if native is not None:
-                await asyncio.to_thread(native["receiver"].close)
-            return
         if self.capabilities.transports:
             await self._rpc("roe_close_weight_transfer", timeout=30)
-
-    # ---- vLLM's own IPC weight-transfer engine (.vllm_ipc) ---------------------------------------
-    async def _init_native(self, spec: TransportSpec) -> None:
-        import torch
-        from rollout_engines.weights.receiver import WeightReceiver
-
-        from .vllm_ipc import NativeIpcTarget, served_checkpoint_specs
-
-        if spec.transport != "cuda_ipc":
-            raise WeightSyncError(f"this vLLM server receives weights through vLLM's IPC engine: push over "
-                                  f"'cuda_ipc', not '{spec.transport}' (or start it with the vLLM plugin's worker extension)")
-        await self.close_weight_transfer()
-        await self.api.request("POST", "/init_weight_transfer_engine", json={"init_info": {}}, timeout=spec.timeout_s)
-        assert self.dev_mode is not None
-        specs = await asyncio.to_thread(served_checkpoint_specs, self.dev_mode.get("model_path"), self.dev_mode.get("dtype"))
-        if specs is None:
-            logger.warning("vllm server: its model %r is not a local checkpoint directory; pushes are checked only "
-                           "by vLLM's loader", self.dev_mode.get("model_path"))
-
-        async def post(info: dict[str, Any]) -> None:
-            await self.api.request("POST", "/update_weights", json={"update_info": info}, timeout=spec.timeout_s)
-
-        target = NativeIpcTarget(post, specs)
-        device = self.config.options.get("relay_device") or f"cuda:{torch.cuda.current_device()}"
-        receiver = WeightReceiver(target, device=device, mode="inplace", label="vllm server")
-        await asyncio.to_thread(receiver.connect, spec)
-        self._native = {"receiver": receiver, "target": target}
-
-    async def _receive_native(self, manifest: WeightManifest) -> int:
-        from rollout_engines.weights.manifest import validate_manifest
-
-        native = self._native
-        if native is None:
-            raise WeightSyncError("vllm server: no weight transfer initialised; connect_weight_sync() first")
-        receiver, target = native["receiver"], native["target"]
-        if manifest.partial or (manifest.delta is not None and manifest.delta.base_version is not None):
-            raise WeightSyncError("vllm server: vLLM's IPC engine reloads whole layers; push every tensor "
-                                  "(no partial or delta pushes through this path)")
-        target.manifest, target.posted = manifest, 0
-        target.loop = asyncio.get_running_loop()
-        validate_manifest(manifest, target.expected_specs())  # before vLLM starts its reload: refused = untouched
-        await self.api.request("POST", "/start_weight_update", timeout=manifest.timeout_s)
-        try:
-            await asyncio.to_thread(receiver.receive, manifest)
-        except BaseException as exc:
-            if target.posted:
-                self._invalid = f"update v{manifest.version} failed after {target.posted} bucket(s) were loaded ({exc})"
-                raise WeightsInvalidated(f"vllm server: {self._invalid}; generation is refused until a complete push") from exc
-            raise
-        finally:
-            # vLLM finishes its layer-wise reload in every case (nothing loaded: nothing changes).
-            await self.api.request("POST", "/finish_weight_update", timeout=manifest.timeout_s)
-        self._invalid = None
-        return manifest.version
 
     async def info(self) -> dict[str, Any]:
         extra = dict(self.served)
