@@ -40,11 +40,9 @@ START_UNWIND_S = 30.0
 
 
 def _descendants() -> set[int]:
-    """This process's descendants (pids), or nothing where psutil is missing (SGLang needs it)."""
-    try:
-        import psutil
-    except ImportError:
-        return set()
+    """This process's descendants (pids)."""
+    import psutil
+
     return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
 
 
