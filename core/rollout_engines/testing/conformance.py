@@ -34,12 +34,13 @@ Rules of the suite:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import sys
 import tempfile
 import textwrap
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -275,6 +276,18 @@ class ConformanceBase:
 
         return slot.run(go())
 
+    @contextlib.contextmanager
+    def restoring(self, slot: EngineSlot, original_weights: dict[str, Any]) -> Iterator[None]:
+        """For a test that pushes other weights and pushes the originals back at its end: when it
+        fails before that, the originals are pushed back here, so the tests after it (which share
+        the engine) compare against the model they expect."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.push(slot, original_weights, slot.engine.weight_version + 1)
+            raise
+
 
 # ---- generation semantics ---------------------------------------------------------------------
 class GenerationTests(ConformanceBase):
@@ -487,16 +500,17 @@ class WeightUpdateTests(ConformanceBase):
 
         pick_transport(engine)
         v0 = engine.weight_version
-        assert self.push(slot, perturbed(original_weights), v0 + 1) == v0 + 1
-        assert engine.weight_version == v0 + 1
-        outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(8))))
-        assert tokens_of(outs) != reference, "perturbed weights must change greedy outputs"
-        assert all(c.weight_version == v0 + 1 for c in outs)
-        assert slot.run(engine.info()).weight_version == v0 + 1
-        self.push(slot, original_weights, v0 + 2)
-        outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(8))))
-        assert tokens_of(outs) == reference, "pushing the original weights back must restore the outputs"
-        assert all(c.weight_version == v0 + 2 for c in outs)
+        with self.restoring(slot, original_weights):
+            assert self.push(slot, perturbed(original_weights), v0 + 1) == v0 + 1
+            assert engine.weight_version == v0 + 1
+            outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(8))))
+            assert tokens_of(outs) != reference, "perturbed weights must change greedy outputs"
+            assert all(c.weight_version == v0 + 1 for c in outs)
+            assert slot.run(engine.info()).weight_version == v0 + 1
+            self.push(slot, original_weights, v0 + 2)
+            outs = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids, sampling=greedy(8))))
+            assert tokens_of(outs) == reference, "pushing the original weights back must restore the outputs"
+            assert all(c.weight_version == v0 + 2 for c in outs)
 
     @pytest.mark.parametrize("fault", ["unknown_name", "wrong_shape", "wrong_dtype"])
     def test_rejected_update_changes_nothing(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]], reference: list[list[int]], original_weights: dict[str, Any], fault: str) -> None:
@@ -687,13 +701,14 @@ class LoraTests(ConformanceBase):
         self.push_lora(slot, spec, tensors, 1)
         adapted = tokens_of(self.generate(slot, prompt_ids, lora="conf-a"))
         v0 = engine.weight_version
-        self.push(slot, perturbed(original_weights), v0 + 1)
-        assert slot.run(engine.info()).loras == {"conf-a": 1}
-        outs = self.generate(slot, prompt_ids, lora="conf-a")
-        assert all(c.weight_version == v0 + 1 and c.lora_version == 1 for c in outs)
-        self.push(slot, original_weights, v0 + 2)
-        assert tokens_of(self.generate(slot, prompt_ids, lora="conf-a")) == adapted
-        assert tokens_of(self.generate(slot, prompt_ids)) == reference
+        with self.restoring(slot, original_weights):
+            self.push(slot, perturbed(original_weights), v0 + 1)
+            assert slot.run(engine.info()).loras == {"conf-a": 1}
+            outs = self.generate(slot, prompt_ids, lora="conf-a")
+            assert all(c.weight_version == v0 + 1 and c.lora_version == 1 for c in outs)
+            self.push(slot, original_weights, v0 + 2)
+            assert tokens_of(self.generate(slot, prompt_ids, lora="conf-a")) == adapted
+            assert tokens_of(self.generate(slot, prompt_ids)) == reference
 
     def test_stream_deltas_name_the_adapter(self, slot: EngineSlot, lora_engine: EngineProtocol, prompt_ids: list[list[int]], original_weights: dict[str, Any]) -> None:
         engine = lora_engine
@@ -816,30 +831,31 @@ class AsyncRLTests(ConformanceBase):
             pytest.skip(f"backend '{engine.backend_name}' does not declare pause mode 'keep' (capability 'pause_modes')")
         pick_transport(engine)
         v0 = engine.weight_version
-        max_tokens = 1500
-        pending = slot.submit(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(max_tokens))))
-        time.sleep(0.2)
-        try:
-            slot.run(engine.pause("keep"))
-            assert not pending.done(), "the request finished before the pause; the engine is too fast for this test"
-            assert self.push(slot, perturbed(original_weights), v0 + 1) == v0 + 1
-        finally:
-            slot.run(engine.resume())
-        out = pending.result(timeout=CALL_TIMEOUT_S)[0]
-        versions = out.versions()
-        assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
-        assert out.weight_version == v0 + 1
-        assert out.token_weight_versions == versions, "a completion across a push records per-token versions"
-        switch = versions.index(v0 + 1)
-        assert 0 < switch and versions == [v0] * switch + [v0 + 1] * (max_tokens - switch)
-        if engine.capabilities.continuation:
-            # The tokens after the switch are those the new weights make from prompt + tokens so far.
-            prefix = out.model_copy(update={"token_ids": out.token_ids[:switch], "logprobs": None,
-                                            "token_weight_versions": None, "weight_version": v0})
-            check = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(8),
-                                                             continue_from=[prefix])))[0]
-            assert check.token_ids == out.token_ids[: switch + 8]
-        self.push(slot, original_weights, v0 + 2)
+        with self.restoring(slot, original_weights):
+            max_tokens = 1500
+            pending = slot.submit(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(max_tokens))))
+            time.sleep(0.2)
+            try:
+                slot.run(engine.pause("keep"))
+                assert not pending.done(), "the request finished before the pause; the engine is too fast for this test"
+                assert self.push(slot, perturbed(original_weights), v0 + 1) == v0 + 1
+            finally:
+                slot.run(engine.resume())
+            out = pending.result(timeout=CALL_TIMEOUT_S)[0]
+            versions = out.versions()
+            assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
+            assert out.weight_version == v0 + 1
+            assert out.token_weight_versions == versions, "a completion across a push records per-token versions"
+            switch = versions.index(v0 + 1)
+            assert 0 < switch and versions == [v0] * switch + [v0 + 1] * (max_tokens - switch)
+            if engine.capabilities.continuation:
+                # The tokens after the switch are those the new weights make from prompt + tokens so far.
+                prefix = out.model_copy(update={"token_ids": out.token_ids[:switch], "logprobs": None,
+                                                "token_weight_versions": None, "weight_version": v0})
+                check = slot.run(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(8),
+                                                                 continue_from=[prefix])))[0]
+                assert check.token_ids == out.token_ids[: switch + 8]
+            self.push(slot, original_weights, v0 + 2)
 
     def test_top_logprobs_sorted_and_contain_the_sampled_token(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
         need(engine, "top_logprobs")

@@ -15,15 +15,18 @@ SGLang's ``abort_request(rid)`` (aborted requests end with their tokens so far).
   ``in_place``, as the plain pause always did).
 * ``abort``: SGLang's ``pause_generation(mode="abort")`` (aborts every request, returns once none
   runs).
-* ``keep``: SGLang's ``pause_generation(mode="retract")``, not ``in_place``: retracted requests
-  keep their tokens but not their KV cache, which SGLang recomputes on ``continue_generation``
-  with the weights current then. So a push while paused is followed by tokens the new weights make
-  from prompt + tokens so far (what ``continue_from`` gives), and the prefix-cache flush after the
-  push succeeds (SGLang's flush fails while ``in_place`` requests hold the running batch; see
-  ``PauseGenerationReqInput`` in SGLang's python/sglang/srt/managers/io_struct.py). Chunks that
-  arrive while paused carry tokens made before the pause (SGLang answers the pause before its
-  detokenizer delivered them) and are tagged with the version of then; resume reads those still
-  on their way (briefly, bounded) before SGLang continues.
+* ``keep``: SGLang's ``pause_generation(mode="abort")``, and each sequence it ended is suspended
+  here, not finished: on resume it goes on as a new SGLang request (its own rid plus ``~k``) with
+  prompt + tokens so far as input and the rest of its token budget, so SGLang prefills it under
+  the weights current then and the tokens after the switch are what the new weights make from
+  prompt + tokens so far (what ``continue_from`` gives). Neither of SGLang's own modes that keep
+  requests can take a push: a flush of the prefix cache fails while requests are paused
+  ``in_place`` or wait retracted (``Scheduler.flush_cache`` needs an idle scheduler and an empty
+  waiting queue), and without the flush a retracted request can re-prefill from blocks cached
+  under the old weights. Tokens read before resume are tagged with the version of the pause; resume first reads
+  the last chunk of every suspended sequence (bounded). Aborting a suspended sequence ends it at
+  once with its tokens so far. Stop strings are matched by SGLang within each request, so one that
+  straddles the resubmission is not seen.
 
 ``continue_from`` sends prompt + earlier tokens as ``input_ids`` and puts the earlier tokens (with
 their logprobs and weight versions) in front of the new ones. A runtime without streaming (the
@@ -109,10 +112,9 @@ logger = logging.getLogger("rollout_engines.sglang")
 RELAY_TRANSPORTS = ("cuda_ipc", "nccl", "gloo", "shm", "inproc")
 #: How often a request waiting on SGLang checks whether a worker process has failed.
 FAILURE_POLL_S = 0.25
-#: resume() after a ``keep`` pause first reads chunks still on their way, until none came for
-#: this long (at most KEPT_DRAIN_MAX_S).
-KEPT_DRAIN_QUIET_S = 0.01
-KEPT_DRAIN_MAX_S = 0.2
+#: resume() after a ``keep`` pause first reads the last chunk of every sequence the pause ended
+#: (SGLang delivers them as it returns from the pause), waiting at most this long.
+KEPT_DRAIN_MAX_S = 2.0
 T = TypeVar("T")
 
 
@@ -252,6 +254,11 @@ class _Seq:
     out: translate.SequenceOutput
     final_sent: bool = False
     cut: int | None = None  # where a stop token ends it (ignore_eos + stop_token_ids)
+    #: The rid of its current SGLang request (the request id, then a new one per resubmission).
+    sglang_rid: str = ""
+    #: Ended by a ``keep`` pause (SGLang aborted it): goes on as a new SGLang request on resume.
+    suspended: bool = False
+    resubmissions: int = 0
 
 
 @dataclass
@@ -302,11 +309,17 @@ class SglangEngine(Engine):
         #: rid -> sequence, of every request running through SGLang's stream.
         self._live: dict[str, _Seq] = {}
         self._abort_tasks: set[asyncio.Task[None]] = set()
-        #: While paused in ``keep``: the version of the tokens SGLang made before the pause. Their
-        #: chunks may arrive after it (and after a push): SGLang answers the pause to the tokenizer
-        #: manager directly, while outputs take the longer way through the detokenizer.
+        #: While paused in ``keep``: the version of the tokens SGLang made before the pause (read
+        #: until resume, see _resume).
         self._kept_version: int | None = None
-        self._last_chunk = 0.0  # time.monotonic() of the last chunk read
+        #: Set while no ``keep`` pause holds suspended sequences; a suspended sequence waits on it
+        #: (or on its abort) before it goes on.
+        self._kept_released = asyncio.Event()
+        self._kept_released.set()
+        #: The sequences in flight when the ``keep`` pause began.
+        self._kept: list[_Seq] = []
+        #: rids the caller aborted (a keep pause's abort of them is final, not a suspension).
+        self._user_aborted: set[str] = set()
 
     # ---- start ---------------------------------------------------------------------------------
     def _start_runtime(self) -> SglangRuntime:
@@ -416,14 +429,53 @@ class SglangEngine(Engine):
 
     async def _run(self, plan: _Plan) -> AsyncGenerator[tuple[_Seq, int, int], None]:
         """Drive SGLang's stream for ``plan``: yields (sequence, start, end) of the tokens each
-        chunk added. Sequences still running when this ends (the caller stopped, an error) are
-        aborted in SGLang."""
+        chunk added. Sequences a ``keep`` pause suspended go on after resume as new SGLang
+        requests (see :meth:`_pause`). Sequences still running when this ends (the caller
+        stopped, an error) are aborted in SGLang."""
         runtime = self.runtime
         assert isinstance(runtime, SglangStreamingRuntime)
-        by_rid = {q.rid: q for q in plan.seqs}
-        self._live.update(by_rid)
+        for q in plan.seqs:
+            q.sglang_rid = q.rid
+        self._live.update({q.rid: q for q in plan.seqs})
+        kwargs, batch = plan.kwargs, list(plan.seqs)
+        try:
+            while True:
+                once = self._run_once(runtime, kwargs, batch)
+                try:
+                    async for item in once:
+                        yield item
+                finally:
+                    await once.aclose()  # aborts in SGLang what still runs (the caller stopped)
+                suspended = [q for q in batch if q.suspended]
+                if not suspended:
+                    return
+                await self._wait_kept_released(suspended)
+                for q in suspended:
+                    if q.out.finished:  # aborted while suspended: its last delta, no new tokens
+                        q.suspended = False
+                        n = len(q.out.token_ids)
+                        yield q, n, n
+                batch = [q for q in suspended if not q.out.finished]
+                if not batch:
+                    return
+                picks = []
+                for q in batch:
+                    q.suspended, q.resubmissions = False, q.resubmissions + 1
+                    q.sglang_rid = f"{q.rid}~{q.resubmissions}"
+                    q.out.resubmitted(self._decode)
+                    picks.append((plan.seqs.index(q), list(q.out.token_ids), q.sglang_rid))
+                kwargs = translate.continuation_kwargs(plan.kwargs, picks)
+        finally:
+            for q in plan.seqs:
+                self._live.pop(q.rid, None)
+                self._user_aborted.discard(q.rid)
+
+    async def _run_once(self, runtime: SglangStreamingRuntime, kwargs: dict[str, Any],
+                        batch: list[_Seq]) -> AsyncGenerator[tuple[_Seq, int, int], None]:
+        """One SGLang call for the sequences in ``batch`` (in its order)."""
+        by_rid = {q.sglang_rid: q for q in batch}
         self._cache.submitted()
-        chunks: AsyncIterator[dict[str, Any]] = runtime.generate_stream(**plan.kwargs)
+        chunks: AsyncIterator[dict[str, Any]] = runtime.generate_stream(**kwargs)
         try:
             while True:
                 try:
@@ -433,15 +485,15 @@ class SglangEngine(Engine):
                 meta = chunk.get("meta_info") or {}
                 q = by_rid.get(str(meta.get("id", "")))
                 if q is None:  # a single request's chunk carries no index (tokenizer_manager.py)
-                    q = plan.seqs[int(chunk.get("index", 0))]
-                self._last_chunk = time.monotonic()
+                    q = batch[int(chunk.get("index", 0))]
                 version = self.weight_version if self._kept_version is None else self._kept_version
                 start, end = q.out.absorb(chunk, version)
+                if (q.out.finished and self._kept_version is not None and q.rid not in self._user_aborted
+                        and translate.finish_reason({"finish_reason": q.out.finish}) == "abort"):
+                    q.out.finished, q.out.finish, q.suspended = False, None, True
                 yield q, start, end
         finally:
-            for rid in by_rid:
-                self._live.pop(rid, None)
-            open_rids = [q.rid for q in plan.seqs if not q.out.finished]
+            open_rids = [q.sglang_rid for q in batch if not q.out.finished and not q.suspended]
             if open_rids and not self._failed:
                 try:
                     for rid in open_rids:
@@ -452,6 +504,23 @@ class SglangEngine(Engine):
                 await chunks.aclose()  # type: ignore[attr-defined]
             except RuntimeError:  # still running: a step given up on a failed worker
                 pass
+
+    async def _wait_kept_released(self, suspended: list[_Seq]) -> None:
+        """Until the ``keep`` pause ends (resume), every suspended sequence was aborted, or the
+        engine failed or closed (then they end as aborted)."""
+        while not self._kept_released.is_set():
+            if all(q.out.finished for q in suspended):
+                return
+            if self._failed or self.closed:
+                break
+            try:
+                await asyncio.wait_for(self._kept_released.wait(), 0.01)
+            except TimeoutError:
+                pass
+        if self._failed or self.closed:
+            for q in suspended:
+                if not q.out.finished:
+                    q.out.finished, q.out.finish = True, {"type": "abort", "message": "engine closed while paused"}
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.runtime.tokenizer.decode(ids, skip_special_tokens=True))
@@ -540,19 +609,23 @@ class SglangEngine(Engine):
             return
         runtime = self.runtime
         assert isinstance(runtime, SglangStreamingRuntime)
+        self._user_aborted.update(q.rid for q in seqs)
         for q in seqs:
-            await runtime.abort(q.rid)
+            if q.suspended:  # not in SGLang now: ends here, with its tokens so far
+                q.out.finished, q.out.finish = True, {"type": "abort", "message": "aborted while paused"}
+            else:
+                await runtime.abort(q.sglang_rid)
 
         async def again() -> None:
             delay = 0.02
             while True:
                 await asyncio.sleep(delay)
                 delay = min(0.25, delay * 2)
-                live = [q for q in seqs if not q.out.finished and q.rid in self._live]
+                live = [q for q in seqs if not q.out.finished and not q.suspended and q.rid in self._live]
                 if not live or self._failed or self.closed:
                     return
                 for q in live:
-                    await runtime.abort(q.rid)
+                    await runtime.abort(q.sglang_rid)
 
         task = asyncio.ensure_future(again())
         self._abort_tasks.add(task)
@@ -602,10 +675,13 @@ class SglangEngine(Engine):
         if mode == "keep":
             assert isinstance(runtime, SglangStreamingRuntime)
             self._kept_version = self.weight_version
+            self._kept = [q for q in self._live.values() if not q.out.finished]
+            self._kept_released.clear()
             try:
-                await runtime.pause_mode("retract")
+                await runtime.pause_mode("abort")
             except BaseException:
                 self._kept_version = None
+                self._kept_released.set()
                 raise
             return
         if mode == "abort":
@@ -620,13 +696,17 @@ class SglangEngine(Engine):
 
     async def _resume(self) -> None:
         if self._kept_version is not None:
-            # Chunks of tokens made before the pause may still be on their way (see _kept_version):
-            # read them under the old version first. Bounded: SGLang makes no tokens while paused.
+            # Read what SGLang made before the pause under the old version: every sequence that
+            # ran then has its last chunk (the abort) read once it is suspended or finished.
+            # Bounded: SGLang returned from its pause once no request ran.
             deadline = time.monotonic() + KEPT_DRAIN_MAX_S
-            while time.monotonic() - self._last_chunk < KEPT_DRAIN_QUIET_S and time.monotonic() < deadline:
+            while time.monotonic() < deadline and any(
+                not (q.out.finished or q.suspended) for q in self._kept if q.rid in self._live
+            ):
                 await asyncio.sleep(0.002)
-            self._kept_version = None
+            self._kept_version, self._kept = None, []
         await self.runtime.resume()
+        self._kept_released.set()
 
     # ---- weights -------------------------------------------------------------------------------
     def weight_receivers(self) -> int:

@@ -133,6 +133,30 @@ def generate_kwargs(
     return out
 
 
+def continuation_kwargs(kwargs: Mapping[str, Any], picks: Sequence[tuple[int, list[int], str]]) -> dict[str, Any]:
+    """The ``async_generate`` arguments that continue some sequences of the call made with
+    ``kwargs`` as new SGLang requests: ``picks`` holds, per sequence, its place in that call, the
+    tokens it has made so far and its new rid. Each is given its input + those tokens (SGLang
+    prefills them under the weights current now) and what is left of its token budget; no prompt
+    logprobs again (the first request returned them)."""
+    out: dict[str, Any] = {k: v for k, v in kwargs.items() if not isinstance(v, list)}
+    out["input_ids"] = [list(kwargs["input_ids"][k]) + list(made) for k, made, _ in picks]
+    params = []
+    for k, made, _ in picks:
+        sp = dict(kwargs["sampling_params"][k])
+        sp["max_new_tokens"] = max(1, int(sp["max_new_tokens"]) - len(made))
+        if sp.get("min_new_tokens"):
+            sp["min_new_tokens"] = max(0, int(sp["min_new_tokens"]) - len(made))
+        params.append(sp)
+    out["sampling_params"] = params
+    out["rid"] = [rid for _, _, rid in picks]
+    if "lora_path" in kwargs:
+        out["lora_path"] = [kwargs["lora_path"][k] for k, _, _ in picks]
+    if out.get("return_logprob") and out.get("logprob_start_len", -1) >= 0:
+        out["logprob_start_len"] = -1
+    return out
+
+
 def finish_reason(meta_info: Mapping[str, Any]) -> FinishReason:
     """SGLang's ``meta_info['finish_reason']`` (a dict with 'type', or None: cut off, e.g. at
     shutdown) as the core's value."""
@@ -213,6 +237,18 @@ class SequenceOutput:
         self.input_top_entries: list[Any] | None = None
         self.finish: Any = None
         self.finished = False
+        #: Tokens made by earlier SGLang requests of this sequence (see :meth:`resubmitted`): the
+        #: chunks of the current one count from there.
+        self.base = 0
+        self._decode: Callable[[list[int]], str] | None = None
+
+    def resubmitted(self, decode: Callable[[list[int]], str]) -> None:
+        """The sequence goes on as a new SGLang request (prompt + the tokens so far, see
+        :func:`continuation_kwargs`): its chunks count from the tokens already here, and the text
+        is decoded from all tokens at the end (SGLang's text covers only its own request)."""
+        self.base = len(self.token_ids)
+        self.finished, self.finish = False, None
+        self._decode = decode
 
     def absorb(self, chunk: Mapping[str, Any], version: int) -> tuple[int, int]:
         """Take one chunk; returns the [start, end) range of the tokens it added."""
@@ -225,7 +261,8 @@ class SequenceOutput:
             new = ids
             self.text += chunk.get("text") or ""
         else:
-            new, lps, tops = ids[start:], lps[start:], tops[start:]
+            seen = start - self.base
+            new, lps, tops = ids[seen:], lps[seen:], tops[seen:]
             if chunk.get("text") is not None:
                 self.text = chunk["text"]
         self.token_ids += new
@@ -242,8 +279,9 @@ class SequenceOutput:
 
     def as_output(self) -> dict[str, Any]:
         """In the format of SGLang's non-streamed output (what :func:`to_completions` reads)."""
+        text = self._decode(self.token_ids) if self._decode is not None else self.text
         return {
-            "output_ids": list(self.token_ids), "text": self.text,
+            "output_ids": list(self.token_ids), "text": text,
             "meta_info": {"finish_reason": self.finish, "output_token_logprobs": list(self.logprob_entries)},
         }
 

@@ -102,6 +102,10 @@ class FakeSglangRuntime:
         return outs
 
     async def flush_cache(self) -> None:
+        if self.paused and getattr(self, "live", None):
+            # SGLang's Scheduler.flush_cache refuses unless it is fully idle: no running batch and
+            # an empty waiting queue (requests paused in_place or retracted count).
+            raise RuntimeError("Cache not flushed because there are pending requests")
         self.flushes += 1
 
     async def pause(self) -> None:

@@ -13,7 +13,7 @@ from rollout_engines.errors import (
     WeightsInvalidated,
     WeightSyncError,
 )
-from rollout_engines.types import EngineConfig, GenerateRequest, SamplingParams, TokenLogprob
+from rollout_engines.types import EngineConfig, GenerateRequest, SamplingParams, StreamDelta, TokenLogprob
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
 from rollout_engines.weights.session import connect_weight_sync
 from rollout_engines_sglang.engine import SglangEngine
@@ -425,8 +425,10 @@ async def test_keep_push_resume_tags_tokens_with_their_weights(tiny_model) -> No
                                                                  sampling=SamplingParams(temperature=0.0, max_tokens=250))))
     await asyncio.sleep(0.05)
     await engine.pause("keep")
-    assert fake.pause_modes == ["retract"] and not task.done()
+    assert fake.pause_modes == ["abort"] and not task.done()
+    flushes = fake.flushes
     assert await push(engine, perturbed(checkpoint(tiny_model)), version=1) == 1
+    assert fake.flushes == flushes + 1, "nothing waits in SGLang, so the push's prefix-cache flush succeeds"
     await engine.resume()
     out = (await asyncio.wait_for(task, 10))[0]
     versions = out.versions()
@@ -434,11 +436,62 @@ async def test_keep_push_resume_tags_tokens_with_their_weights(tiny_model) -> No
     assert 0 < switch < 250 and versions == [0] * switch + [1] * (250 - switch)
     assert out.token_weight_versions == versions and out.weight_version == 1
     assert out.token_ids[switch] != out.token_ids[0]  # the fake's tokens follow its weights
+    # The suspended sequence went on as a new SGLang request: prompt + tokens so far, the rest of
+    # its budget, a new rid, no prompt logprobs again.
+    again = fake.generate_calls[-1]
+    assert again["input_ids"] == [[5, 6, *out.token_ids[:switch]]]
+    assert again["sampling_params"][0]["max_new_tokens"] == 250 - switch
+    assert again["rid"] == [f"{out.request_id}~1"]
+    assert out.text == engine.runtime.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+async def test_a_keep_pause_takes_a_push_that_flushes_the_prefix_cache(tiny_model) -> None:
+    """SGLang's own keeping modes cannot: its flush fails while requests are paused in place or
+    retracted (the fake refuses it too), and the push would fail after 5 s of retries."""
+    import asyncio
+
+    engine, fake = make(tiny_model)
+    task = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=[[5, 6], [7]],
+                                                                 sampling=SamplingParams(temperature=0.0, max_tokens=250, logprobs=0))))
+    await asyncio.sleep(0.05)
+    await fake.pause_mode("retract")
+    with pytest.raises(RuntimeError, match="pending requests"):
+        await fake.flush_cache()
+    await fake.resume()
+    await engine.pause("keep")
+    assert await asyncio.wait_for(push(engine, perturbed(checkpoint(tiny_model)), version=1), 3) == 1
+    await engine.resume()
+    outs = await asyncio.wait_for(task, 10)
+    for o in outs:
+        assert len(o.token_ids) == 250 and o.finish_reason == "length" and o.versions()[-1] == 1
+        assert o.logprobs is not None and len(o.logprobs) == 250
+
+
+async def test_abort_of_a_suspended_sequence_ends_it_while_paused(tiny_model) -> None:
+    import asyncio
+
+    engine, fake = make(tiny_model)
+    req = GenerateRequest(prompt_token_ids=[[5, 6]], request_ids=["r1"], sampling=SamplingParams(temperature=0.0, max_tokens=250))
+    deltas: list[StreamDelta] = []
+
+    async def consume() -> None:
+        async for d in engine.stream(req):
+            deltas.append(d)
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0.05)
+    await engine.pause("keep")
+    await engine.abort(["r1"])
+    await asyncio.wait_for(task, 1)  # while still paused
+    assert deltas[-1].finish_reason == "abort" and [d.finish_reason for d in deltas].count("abort") == 1
+    assert 0 < sum(len(d.token_ids) for d in deltas) < 250
+    await engine.resume()
+    assert len(fake.generate_calls) == 1, "an aborted sequence is not resubmitted"
 
 
 async def test_tokens_made_before_a_keep_pause_keep_their_version_when_they_arrive_after_the_push(tiny_model) -> None:
-    """SGLang answers pause(retract) before its detokenizer delivered the last outputs: chunks made
-    under the old weights can arrive after the push (the fake's ``late_delivery`` makes it certain)."""
+    """Chunks made under the old weights can arrive after the pause returned (the fake's
+    ``late_delivery`` holds them until release_late): they keep the version of the pause."""
     import asyncio
 
     engine, fake = make(tiny_model)
