@@ -51,7 +51,7 @@ QUANTIZATION_CONFIG = {
     "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK),
 }
 #: Bump when the written files change, so cached copies are rebuilt.
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: scales by IEEE division on CUDA too (see quantize_fp8_block)
 CACHE_ENV = "ROLLOUT_ENGINES_CACHE"
 
 _QUANTIZED = re.compile(
@@ -82,8 +82,8 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple
     """``w`` (2-D, any float dtype) -> ``(q, scale_inv)``: ``q`` float8_e4m3fn of ``w``'s shape,
     ``scale_inv`` float32 ``[ceil(N/bn), ceil(K/bk)]``, on ``w``'s device.
 
-    The arithmetic is float32 (the block maxima, ``scale_inv = amax / 448``, ``w / scale_inv``
-    rounded to e4m3), without a float32 copy of the weights: ``|w|`` and its block maxima are exact
+    The arithmetic is float32 (the block maxima, ``scale_inv = amax / 448`` by IEEE division on
+    every device, ``w / scale_inv`` rounded to e4m3), without a float32 copy of the weights: ``|w|`` and its block maxima are exact
     in bf16/fp16, and the division promotes each element to float32 as it goes (fewer passes over
     memory, the same bits as quantizing ``w.float()``)."""
     if w.dim() != 2:
@@ -98,7 +98,11 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple
         x = torch.nn.functional.pad(x, (0, kb * bk - k, 0, nb * bn - n))
     blocks = x.contiguous().view(nb, bn, kb, bk)
     amax = blocks.abs().amax(dim=(1, 3)).float().clamp_(min=AMAX_FLOOR)
-    scale_inv = amax / FP8_MAX
+    # A tensor divisor, not the Python float: CUDA divides by a CPU scalar as a multiplication by
+    # its float32 reciprocal, one bit off the quotient for some maxima, and the scales would then
+    # depend on the device that quantized (the Triton quantizer in the vLLM workers, the CPU and
+    # this path on a GPU must agree bit for bit, or a push of the same weights changes them).
+    scale_inv = torch.div(amax, amax.new_full((), FP8_MAX))
     q = torch.div(blocks, scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.view(nb * bn, kb * bk)
     if (n, k) != (nb * bn, kb * bk):
