@@ -178,6 +178,8 @@ class Engine(EngineProtocol):
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._paused = False
+        self._paused_at = 0.0
+        self._paused_total_s = 0.0  # info().paused_s: what bench async counts as frozen time
         self._pause_mode: PauseMode | None = None
         self._weight_update_lock = threading.Lock()
         #: The update being received: (version, monotonic start, its timeout), else None.
@@ -443,6 +445,8 @@ class Engine(EngineProtocol):
                 f"{', '.join(modes) or 'none'} (capability 'pause_modes')"
             )
         self._check_not_closed()
+        if not self._paused:
+            self._paused_at = time.perf_counter()
         self._paused = True
         self._pause_mode = mode
         self._resumed.clear()
@@ -451,6 +455,8 @@ class Engine(EngineProtocol):
     async def resume(self) -> None:
         self._check_not_closed()
         await self._resume()
+        if self._paused:
+            self._paused_total_s += time.perf_counter() - self._paused_at
         self._paused, self._pause_mode = False, None
         self._resumed.set()
 
@@ -567,6 +573,7 @@ class Engine(EngineProtocol):
             weight_version=self.weight_version,
             asleep=sorted(self._asleep),
             paused=self._paused,
+            paused_s=self._paused_total_s + (time.perf_counter() - self._paused_at if self._paused else 0.0),
             outstanding=self._outstanding_count(),
             healthy=self._can_serve(),
             capabilities=self.capabilities.model_dump(),

@@ -436,6 +436,8 @@ class EngineInfo(_Model):
     weight_version: int
     asleep: list[str] = Field(default_factory=list, description="Tags currently released.")
     paused: bool = False
+    paused_s: float | None = Field(default=None, description="Seconds spent paused since start, the "
+                                   "current pause included (None where the engine does not count them).")
     outstanding: int = 0
     healthy: bool = Field(default=True, description="Ready: generation is accepted now (not closed, weights "
                           "valid, no update stuck). Liveness is Engine.health().")

@@ -112,10 +112,11 @@ class IdleMeter:
 class EngineSampler:
     """The engine's own view of idleness: ``info()`` sampled every ``interval_s``.
 
-    A sample is idle when requests were outstanding (``outstanding()``, the caller's count) and
-    the engine worked on none of them: it was frozen by a ``keep`` pause, or had taken no request
-    (no running request, row or row waiting to be prefilled: it was applying weights, or waited for
-    the caller). Prefills count as work, the re-prefill of kept rows after a push included (the
+    Time is idle when requests were outstanding (``outstanding()``, the caller's count) and the
+    engine worked on none of them: it was paused (frozen by a ``keep`` pause: the paused seconds
+    the engine counts, ``info().paused_s``, so pauses shorter than the sampling interval count
+    too), or had taken no request (no running request, row or row waiting to be prefilled: it was
+    applying weights, or waited for the caller). Prefills count as work, the re-prefill of kept rows after a push included (the
     deltas' view, :class:`IdleMeter`, counts them as stalls). Needs a backend that reports
     ``running_rows`` (and ``running``, ``pending_rows``, ``frozen``) in ``info().extra``, as the
     transformers engine does; otherwise :meth:`result` is None and :class:`IdleMeter` is the measure.
@@ -126,11 +127,13 @@ class EngineSampler:
         self.idle_s = 0.0
         self.wall_s = 0.0
         self.supported: bool | None = None
+        self._paused_s: float | None = None  # the engine's info().paused_s at the last sample
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
         last = time.perf_counter()
-        while not self._stop.is_set():
+        while True:
+            stopping = self._stop.is_set()  # one more sample after stop(): the last interval counts
             info = await self.engine.info()
             now = time.perf_counter()
             extra = info.extra
@@ -142,8 +145,23 @@ class EngineSampler:
             self.wall_s += dt
             # requests taken by the worker (stepped, prefilled, or re-prefilled after a push)
             working = extra.get("running") or extra.get("running_rows") or extra.get("pending_rows")
-            if self.outstanding() > 0 and (extra.get("frozen") or not working):
-                self.idle_s += dt
+            frozen = bool(extra.get("frozen")) or info.paused
+            paused = None
+            if info.paused_s is not None:
+                # Time paused since the last sample, as the engine counted it: a pause + push +
+                # resume can begin and end between two samples (this loop waits for the event
+                # loop), so the state at the sample alone would miss it.
+                paused = min(dt, max(0.0, info.paused_s - self._paused_s)) if self._paused_s is not None else 0.0
+                self._paused_s = info.paused_s
+            if self.outstanding() > 0:
+                if not frozen and not working:
+                    self.idle_s += dt
+                elif paused is not None:
+                    self.idle_s += paused
+                elif frozen:
+                    self.idle_s += dt
+            if stopping:
+                return
             try:
                 await asyncio.wait_for(self._stop.wait(), self.interval_s)
             except asyncio.TimeoutError:
