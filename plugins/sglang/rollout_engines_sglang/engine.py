@@ -24,8 +24,8 @@ SGLang's ``abort_request(rid)`` (aborted requests end with their tokens so far).
   ``in_place`` or wait retracted (``Scheduler.flush_cache`` needs an idle scheduler and an empty
   waiting queue), and without the flush a retracted request can re-prefill from blocks cached
   under the old weights. Tokens read before resume are tagged with the version of the pause; resume first reads
-  the last chunk of every suspended sequence (bounded). Aborting a suspended sequence ends it at
-  once with its tokens so far. Stop strings are matched by SGLang within each request, so one that
+  the last chunk of every suspended sequence (bounded). Aborting a suspended sequence (or a
+  ``pause("abort")`` while paused in ``keep``) ends it at once with its tokens so far. Stop strings are matched by SGLang within each request, so one that
   straddles the resubmission is not seen.
 
 ``continue_from`` sends prompt + earlier tokens as ``input_ids`` and puts the earlier tokens (with
@@ -687,6 +687,8 @@ class SglangEngine(Engine):
         if mode == "abort":
             assert isinstance(runtime, SglangStreamingRuntime)
             await runtime.pause_mode("abort")
+            # Sequences a keep pause suspended are not in SGLang: they end here, as aborted.
+            await self._abort_rids([rid for rid, q in self._live.items() if q.suspended])
         while self._outstanding:
             if self._failed:
                 raise EngineUnavailable(self._failed)

@@ -527,3 +527,18 @@ async def test_continue_from_sends_prompt_and_earlier_tokens(tiny_model) -> None
     with pytest.raises(InvalidRequest, match="logprob"):
         no_lp = await engine.generate(GenerateRequest(prompt_token_ids=[[5]], sampling=SamplingParams(max_tokens=1)))
         await engine.generate(GenerateRequest(prompt_token_ids=[[5]], sampling=s, continue_from=no_lp))
+
+
+async def test_an_abort_pause_after_a_keep_pause_ends_the_suspended_sequences(tiny_model) -> None:
+    import asyncio
+
+    engine, fake = make(tiny_model)
+    task = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=[[5, 6]],
+                                                                 sampling=SamplingParams(temperature=0.0, max_tokens=250))))
+    await asyncio.sleep(0.05)
+    await engine.pause("keep")
+    await asyncio.wait_for(engine.pause("abort"), 2)
+    out = (await asyncio.wait_for(task, 1))[0]
+    assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 250
+    await engine.resume()
+    assert len(fake.generate_calls) == 1
