@@ -115,6 +115,8 @@ FAILURE_POLL_S = 0.25
 #: resume() after a ``keep`` pause first reads the last chunk of every sequence the pause ended
 #: (SGLang delivers them as it returns from the pause), waiting at most this long.
 KEPT_DRAIN_MAX_S = 2.0
+#: How often a suspended sequence checks for resume, its abort, or the engine's end.
+KEPT_POLL_S = 0.005
 T = TypeVar("T")
 
 
@@ -312,10 +314,9 @@ class SglangEngine(Engine):
         #: While paused in ``keep``: the version of the tokens SGLang made before the pause (read
         #: until resume, see _resume).
         self._kept_version: int | None = None
-        #: Set while no ``keep`` pause holds suspended sequences; a suspended sequence waits on it
-        #: (or on its abort) before it goes on.
-        self._kept_released = asyncio.Event()
-        self._kept_released.set()
+        #: True while a ``keep`` pause holds suspended sequences; a suspended sequence waits (polls:
+        #: callers may come from different event loops) until it is False or it was aborted.
+        self._keep_active = False
         #: The sequences in flight when the ``keep`` pause began.
         self._kept: list[_Seq] = []
         #: rids the caller aborted (a keep pause's abort of them is final, not a suspension).
@@ -449,7 +450,7 @@ class SglangEngine(Engine):
                 suspended = [q for q in batch if q.suspended]
                 if not suspended:
                     return
-                await self._wait_kept_released(suspended)
+                await self._wait_until_resumed(suspended)
                 for q in suspended:
                     if q.out.finished:  # aborted while suspended: its last delta, no new tokens
                         q.suspended = False
@@ -505,18 +506,15 @@ class SglangEngine(Engine):
             except RuntimeError:  # still running: a step given up on a failed worker
                 pass
 
-    async def _wait_kept_released(self, suspended: list[_Seq]) -> None:
+    async def _wait_until_resumed(self, suspended: list[_Seq]) -> None:
         """Until the ``keep`` pause ends (resume), every suspended sequence was aborted, or the
         engine failed or closed (then they end as aborted)."""
-        while not self._kept_released.is_set():
+        while self._keep_active:
             if all(q.out.finished for q in suspended):
                 return
             if self._failed or self.closed:
                 break
-            try:
-                await asyncio.wait_for(self._kept_released.wait(), 0.01)
-            except TimeoutError:
-                pass
+            await asyncio.sleep(KEPT_POLL_S)
         if self._failed or self.closed:
             for q in suspended:
                 if not q.out.finished:
@@ -676,12 +674,12 @@ class SglangEngine(Engine):
             assert isinstance(runtime, SglangStreamingRuntime)
             self._kept_version = self.weight_version
             self._kept = [q for q in self._live.values() if not q.out.finished]
-            self._kept_released.clear()
+            self._keep_active = True
             try:
                 await runtime.pause_mode("abort")
             except BaseException:
                 self._kept_version = None
-                self._kept_released.set()
+                self._keep_active = False
                 raise
             return
         if mode == "abort":
@@ -708,7 +706,7 @@ class SglangEngine(Engine):
                 await asyncio.sleep(0.002)
             self._kept_version, self._kept = None, []
         await self.runtime.resume()
-        self._kept_released.set()
+        self._keep_active = False
 
     # ---- weights -------------------------------------------------------------------------------
     def weight_receivers(self) -> int:
