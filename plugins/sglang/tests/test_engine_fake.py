@@ -4,6 +4,8 @@ disk pushes reach SGLang as real payloads, and partial failures make the engine 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from rollout_engines.errors import (
@@ -13,7 +15,14 @@ from rollout_engines.errors import (
     WeightsInvalidated,
     WeightSyncError,
 )
-from rollout_engines.types import EngineConfig, GenerateRequest, SamplingParams, StreamDelta, TokenLogprob
+from rollout_engines.types import (
+    Completion,
+    EngineConfig,
+    GenerateRequest,
+    SamplingParams,
+    StreamDelta,
+    TokenLogprob,
+)
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
 from rollout_engines.weights.session import connect_weight_sync
 from rollout_engines_sglang.engine import SglangEngine
@@ -417,14 +426,22 @@ async def test_pause_modes_map_to_sglang(tiny_model) -> None:
     assert not fake.paused
 
 
-async def test_keep_push_resume_tags_tokens_with_their_weights(tiny_model) -> None:
+async def paused_in_keep(engine: SglangEngine) -> asyncio.Future[list[Completion]]:
+    """A greedy 250-token request running, then a ``keep`` pause: the request's task."""
     import asyncio
 
-    engine, fake = make(tiny_model)
     task = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=[[5, 6]],
                                                                  sampling=SamplingParams(temperature=0.0, max_tokens=250))))
     await asyncio.sleep(0.05)
     await engine.pause("keep")
+    return task
+
+
+async def test_keep_push_resume_tags_tokens_with_their_weights(tiny_model) -> None:
+    import asyncio
+
+    engine, fake = make(tiny_model)
+    task = await paused_in_keep(engine)
     assert fake.pause_modes == ["abort"] and not task.done()
     flushes = fake.flushes
     assert await push(engine, perturbed(checkpoint(tiny_model)), version=1) == 1
@@ -533,10 +550,7 @@ async def test_an_abort_pause_after_a_keep_pause_ends_the_suspended_sequences(ti
     import asyncio
 
     engine, fake = make(tiny_model)
-    task = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=[[5, 6]],
-                                                                 sampling=SamplingParams(temperature=0.0, max_tokens=250))))
-    await asyncio.sleep(0.05)
-    await engine.pause("keep")
+    task = await paused_in_keep(engine)
     await asyncio.wait_for(engine.pause("abort"), 2)
     out = (await asyncio.wait_for(task, 1))[0]
     assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 250
