@@ -99,7 +99,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     fp8_dir = fp8_block_checkpoint_cached(args.model, device="cuda")
-    out: dict[str, Any] = {"model": args.model, "fp8_copy": str(fp8_dir),
+    out: dict[str, Any] = {"model": args.model, "fp8_copy": fp8_dir.name,  # its name under $ROLLOUT_ENGINES_CACHE/fp8-block
                            "fp8_copy_find_or_build_s": round(time.perf_counter() - t0, 2), "options": options}
     weights: Any = None
     for kind, wanted in (("none", ["bf16"]), ("fp8_block", ["fp8_receiver", "fp8_sender"])):
