@@ -116,8 +116,8 @@ class EngineSampler:
     engine worked on none of them: it was paused (frozen by a ``keep`` pause: the paused seconds
     the engine counts, ``info().paused_s``, so pauses shorter than the sampling interval count
     too), or had taken no request (no running request, row or row waiting to be prefilled: it was
-    applying weights, or waited for the caller). Prefills count as work, the re-prefill of kept rows after a push included (the
-    deltas' view, :class:`IdleMeter`, counts them as stalls). Needs a backend that reports
+    applying weights, or waited for the caller). Prefills count as work, the re-prefill of kept
+    rows after a push included (the deltas' view, :class:`IdleMeter`, counts them as stalls). Needs a backend that reports
     ``running_rows`` (and ``running``, ``pending_rows``, ``frozen``) in ``info().extra``, as the
     transformers engine does; otherwise :meth:`result` is None and :class:`IdleMeter` is the measure.
     """

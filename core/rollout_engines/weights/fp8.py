@@ -83,9 +83,9 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple
     ``scale_inv`` float32 ``[ceil(N/bn), ceil(K/bk)]``, on ``w``'s device.
 
     The arithmetic is float32 (the block maxima, ``scale_inv = amax / 448`` by IEEE division on
-    every device, ``w / scale_inv`` rounded to e4m3), without a float32 copy of the weights: ``|w|`` and its block maxima are exact
-    in bf16/fp16, and the division promotes each element to float32 as it goes (fewer passes over
-    memory, the same bits as quantizing ``w.float()``)."""
+    every device, ``w / scale_inv`` rounded to e4m3), without a float32 copy of the weights:
+    ``|w|`` and its block maxima are exact in bf16/fp16, and the division promotes each element to
+    float32 as it goes (fewer passes over memory, the same bits as quantizing ``w.float()``)."""
     if w.dim() != 2:
         raise ValueError(f"FP8 block quantization takes 2-D weights, not shape {list(w.shape)}")
     n, k = w.shape

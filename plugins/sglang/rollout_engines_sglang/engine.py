@@ -23,10 +23,11 @@ SGLang's ``abort_request(rid)`` (aborted requests end with their tokens so far).
   requests can take a push: a flush of the prefix cache fails while requests are paused
   ``in_place`` or wait retracted (``Scheduler.flush_cache`` needs an idle scheduler and an empty
   waiting queue), and without the flush a retracted request can re-prefill from blocks cached
-  under the old weights. Tokens read before resume are tagged with the version of the pause; resume first reads
-  the last chunk of every suspended sequence (bounded). Aborting a suspended sequence (or a
-  ``pause("abort")`` while paused in ``keep``) ends it at once with its tokens so far. Stop strings are matched by SGLang within each request, so one that
-  straddles the resubmission is not seen.
+  under the old weights. Tokens read before resume are tagged with the version of the pause;
+  resume first reads the last chunk of every suspended sequence (bounded). Aborting a suspended
+  sequence (or a ``pause("abort")`` while paused in ``keep``) ends it at once with its tokens so
+  far. Stop strings are matched by SGLang within each request, so one that straddles the
+  resubmission is not seen.
 
 ``continue_from`` sends prompt + earlier tokens as ``input_ids`` and puts the earlier tokens (with
 their logprobs and weight versions) in front of the new ones. A runtime without streaming (the
@@ -439,6 +440,7 @@ class SglangEngine(Engine):
             q.sglang_rid = q.rid
         self._live.update({q.rid: q for q in plan.seqs})
         kwargs, batch = plan.kwargs, list(plan.seqs)
+        place = {q.rid: k for k, q in enumerate(plan.seqs)}  # a sequence's place in plan.kwargs
         try:
             while True:
                 once = self._run_once(runtime, kwargs, batch)
@@ -464,7 +466,7 @@ class SglangEngine(Engine):
                     q.suspended, q.resubmissions = False, q.resubmissions + 1
                     q.sglang_rid = f"{q.rid}~{q.resubmissions}"
                     q.out.resubmitted(self._decode)
-                    picks.append((plan.seqs.index(q), list(q.out.token_ids), q.sglang_rid))
+                    picks.append((place[q.rid], list(q.out.token_ids), q.sglang_rid))
                 kwargs = translate.continuation_kwargs(plan.kwargs, picks)
         finally:
             for q in plan.seqs:

@@ -247,7 +247,6 @@ class SequenceOutput:
         :func:`continuation_kwargs`): its chunks count from the tokens already here, and the text
         is decoded from all tokens at the end (SGLang's text covers only its own request)."""
         self.base = len(self.token_ids)
-        self.finished, self.finish = False, None
         self._decode = decode
 
     def absorb(self, chunk: Mapping[str, Any], version: int) -> tuple[int, int]:
