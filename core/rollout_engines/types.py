@@ -453,6 +453,7 @@ class ReceiveTimings(_Model):
     wait_s: float = Field(default=0.0, description="Waiting for buckets from the trainer.")
     check_s: float = Field(default=0.0, description="Checksums of the buckets.")
     apply_s: float = Field(default=0.0, description="Copies into the model.")
+    install_s: float = Field(default=0.0, description="Registering a received LoRA adapter with the engine.")
     total_s: float = 0.0
 
     @classmethod

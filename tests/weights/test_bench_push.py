@@ -37,6 +37,9 @@ def test_lora_push_benchmark_pushes_adapters_that_land(tiny_model):
     assert result["tensors"] > 0 and result["tensors"] % 2 == 0  # one A and one B per target module
     # rank 4, float32: A is [4, in] and B is [out, 4] for every module; far below the full state
     assert 0 < result["bytes"] < 1_000_000 and result["push_s"] > 0
+    # where a push's time went: the adapter's receive and its installation in the engine
+    phases = result["phases_median_s"]
+    assert 0 < phases["worker_install"] <= phases["worker_total"] <= phases["push"]
 
 
 @pytest.mark.transformers

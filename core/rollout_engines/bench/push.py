@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "vLLM needs --option enable_lora=true and max_lora_rank >= the rank")
 
 
+def _median_phases(phases: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each phase over the pushes after the first (all, where there is one)."""
+    later = phases[1:] or phases
+    return {k: round(statistics.median(p.get(k, 0.0) for p in later), 6) for k in (phases[0] if phases else {})}
+
+
 def _phases(diagnostics: Diagnostics, push_s: float) -> dict[str, float]:
     """One push's time by phase: the host's RPC round trip into its workers, worker 0's own account,
     the prefix-cache reset after it, and what is left (session, manifest, event-loop hops)."""
@@ -140,8 +146,7 @@ def run(args: Any) -> dict[str, Any]:
         "options": bench.options,
         "transport_options": bench.transport_options,
         "generate_between_pushes": between,
-        "phases_median_s": {k: round(statistics.median(p[k] for p in phases[1:] or phases), 6)
-                            for k in (phases[0] if phases else {})},
+        "phases_median_s": _median_phases(phases),
     }
 
 
@@ -171,11 +176,12 @@ def run_lora(args: Any) -> dict[str, Any]:
         lora_bytes = sum(t.numel() * t.element_size() for t in sets[0].values())
         probe = GenerateRequest(prompt_token_ids=[[11, 12, 13, 14]], sampling=SamplingParams(temperature=0, max_tokens=8))
 
-        async def go() -> tuple[list[float], bool, bool | None]:
+        async def go() -> tuple[list[float], list[dict[str, float]], bool, bool | None]:
             base = [c.token_ids for c in await engine.generate(probe)]
             sync = await connect_weight_sync([engine], transport, bucket_bytes=bench.bucket_bytes, timeout_s=600,
                                              checksum=bench.checksum, options=bench.transport_options)
             times: list[float] = []
+            phases: list[dict[str, float]] = []
             try:
                 for i in range(pushes):
                     if weights.device == "cuda":
@@ -183,6 +189,7 @@ def run_lora(args: Any) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     await sync.push_lora(spec, sets[i % 2], version=i + 1)
                     times.append(time.perf_counter() - t0)
+                    phases.append(_phases(await engine.diagnostics(), times[-1]))
             finally:
                 await sync.close()
             listed = (await engine.info()).loras == {spec.name: pushes}
@@ -190,9 +197,9 @@ def run_lora(args: Any) -> dict[str, Any]:
             again = [c.token_ids for c in await engine.generate(probe)]
             changed = (adapted != base) if again == base else None  # None: greedy tokens not reproducible
             await engine.unload_lora(spec.name)
-            return times, listed, changed
+            return times, phases, listed, changed
 
-        times, listed, changed = asyncio.run(go())
+        times, phases, listed, changed = asyncio.run(go())
     finally:
         asyncio.run(engine.close())
     later = times[1:] or times
@@ -212,6 +219,7 @@ def run_lora(args: Any) -> dict[str, Any]:
         "gbps": round(lora_bytes / statistics.median(later) / 1e9, 3),
         "adapter_listed": listed,
         "adapter_changed_outputs": changed,
+        "phases_median_s": _median_phases(phases),
         "checksum": bench.checksum,
         "options": bench.options,
     }

@@ -230,15 +230,43 @@ def save_peft_adapter(path: str | Path, spec: LoraSpec, tensors: Mapping[str, to
     inverse of :func:`load_peft_adapter`; ``config`` overrides keys of the written config. A sibling
     folder (mode 0700) is written, then renamed into place (:func:`~.checkpoint.atomic_directory`; an
     existing folder there is replaced)."""
-    from safetensors.torch import save_file
-
     from .checkpoint import atomic_directory
 
     with atomic_directory(path, replace=True) as tmp:
-        host = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
-        save_file(host, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps({**peft_adapter_config(spec, base_model), **(config or {})}, indent=1))
+        write_adapter_config(tmp, spec, base_model=base_model, config=config)
+        write_adapter_weights(tmp, tensors)
     return Path(path)
+
+
+def write_adapter_config(folder: str | Path, spec: LoraSpec, *, base_model: str = "",
+                         config: Mapping[str, Any] | None = None) -> Path:
+    """Write ``adapter_config.json`` (:func:`peft_adapter_config`, ``config`` overriding keys) into
+    the existing ``folder``; half of :func:`save_peft_adapter`, for a backend whose workers write
+    the weights into a folder its driver prepared (:func:`write_adapter_weights`)."""
+    file = Path(folder) / ADAPTER_CONFIG
+    file.write_text(json.dumps({**peft_adapter_config(spec, base_model), **(config or {})}, indent=1))
+    return file
+
+
+def write_adapter_weights(folder: str | Path, tensors: Mapping[str, torch.Tensor]) -> Path:
+    """Write ``adapter_model.safetensors`` into the existing ``folder`` all at once (a temporary
+    sibling file renamed into place, so a reader finds the whole file or none)."""
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    file = Path(folder) / ADAPTER_WEIGHTS
+    host = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+    fd, tmp = tempfile.mkstemp(prefix=f".{ADAPTER_WEIGHTS}.", dir=file.parent)
+    os.close(fd)
+    try:
+        save_file(host, tmp, metadata={"format": "pt"})
+        os.replace(tmp, file)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return file
 
 
 # ---- test and benchmark adapters -------------------------------------------------------------------

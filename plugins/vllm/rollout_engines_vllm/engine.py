@@ -445,7 +445,9 @@ class VllmEngine(Engine):
         if self.sleep_mode:
             kwargs["enable_sleep_mode"] = True
         if opts.enable_lora:
-            kwargs.update(enable_lora=True, max_lora_rank=opts.max_lora_rank, max_loras=opts.max_loras)
+            # room in vLLM's adapter cache for the version each adapter's last push retired (removed at the next push)
+            kwargs.update(enable_lora=True, max_lora_rank=opts.max_lora_rank, max_loras=opts.max_loras,
+                          max_cpu_loras=2 * opts.max_loras)
         return AsyncEngineArgs(**kwargs)
 
     def _start(self) -> None:

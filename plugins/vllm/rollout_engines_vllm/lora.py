@@ -4,18 +4,19 @@ A push (:meth:`~rollout_engines.weights.session.WeightSync.push_lora`) reaches e
 the weight-sync session's transport, as a full push does (:func:`rollout_engines.weights.lora.receive_lora`
 on each worker's receiver). Each worker checks the manifest against the base model's checkpoint
 names and the layers vLLM can adapt before it takes any bucket; a refused adapter is drained (the
-session stays in step) and raises :class:`ManifestMismatch` with nothing installed. Worker rank 0
-writes what it received as a PEFT folder (``adapter_model.safetensors`` and
-``adapter_config.json``) into the engine's private temporary directory (mode 0700); the driver then
-registers it with vLLM (``add_lora``) under a new ``lora_int_id`` and a new ``lora_name``, and only
-then retires the version it replaces. vLLM keys its adapter cache on the id and its prefix cache on
-the name and path, so two versions never share cached state.
+session stays in step) and raises :class:`ManifestMismatch` with nothing installed. The driver
+prepares a folder in the engine's private temporary directory (mode 0700) with the adapter's
+``adapter_config.json``; worker rank 0 writes the received tensors next to it
+(``adapter_model.safetensors``), and in the same call every worker registers the adapter with its
+vLLM LoRA manager from the received tensors (:func:`worker_install_lora`: vLLM's own ``add_lora``
+with the read from the folder skipped) under a new ``lora_int_id`` and a new ``lora_name``. Only
+then does the driver retire the version it replaces. vLLM keys its adapter cache on the id and its
+prefix cache on the name and path, so two versions never share cached state.
 
-Why a folder: vLLM 0.32 can build an adapter from tensors (``LoRAModel.from_lora_tensors``), but
-its workers load an adapter from ``lora_path`` whenever it is (re)activated, after an LRU eviction
-too, so the folder must exist for as long as requests name that version. A retired version is
-removed from vLLM and its folder deleted once no running request uses it (checked at each LoRA
-push or unload, and at close).
+Why a folder as well: vLLM loads an adapter from ``lora_path`` whenever it is activated again
+after an LRU eviction, so the folder must exist for as long as requests name that version. A
+retired version is removed from vLLM, and its folder deleted, once no running request uses it: by
+the workers in the next push's call, or at an unload or close.
 
 On CPU, vLLM 0.32 adds the last adapter slot's delta to base-model requests batched with LoRA
 requests; :func:`fix_cpu_no_lora_rows` corrects that in the workers before the first adapter is
@@ -24,16 +25,19 @@ registered.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from rollout_engines.errors import InvalidRequest, ManifestMismatch
-from rollout_engines.weights.lora import ADAPTER_WEIGHTS
+from rollout_engines.types import LastReceive, ReceiveTimings
+from rollout_engines.weights.lora import ADAPTER_WEIGHTS, write_adapter_config
 from rollout_engines.weights.manifest import WeightManifest, manifest_to_wire
 
 logger = logging.getLogger("rollout_engines.vllm.lora")
@@ -109,6 +113,50 @@ def worker_lora_modules(worker: Any) -> list[str]:
     return sorted(set(names))
 
 
+def worker_remove_loras(worker: Any, lora_ids: list[int]) -> None:
+    """Remove the adapters ``lora_ids`` from this worker's vLLM LoRA manager (absent ones: no-op)."""
+    manager: Any = getattr(worker.model_runner, "lora_manager", None)
+    for lora_id in lora_ids if manager is not None else ():
+        manager.remove_adapter(lora_id)
+
+
+def worker_install_lora(worker: Any, tensors: dict[str, torch.Tensor], *, key: str, lora_id: int, path: str) -> bool:
+    """Register a received adapter with this worker's vLLM LoRA manager straight from its tensors,
+    in the call that received them.
+
+    This is vLLM's own ``add_lora`` (``LRUCacheWorkerLoRAManager.add_adapter``: the config read
+    from ``path`` and checked, the name mapping, the cache's eviction and the activation), with one
+    step swapped: where vLLM reads the tensors back from the folder and copies them into pinned host
+    memory, the manager is handed the received tensors, left on the device they arrived on (an
+    adapter cache of ``max_cpu_loras`` small adapters). It saves the driver's ``add_lora`` and
+    ``remove_lora`` round trips through the engine core and a read of the folder; the folder stays,
+    for vLLM to load the adapter again after an eviction. False where this vLLM lacks the manager
+    this relies on: the driver then registers the folder through ``add_lora``."""
+    import inspect
+
+    from vllm.lora.request import LoRARequest
+
+    manager = getattr(worker.model_runner, "lora_manager", None)
+    base: Any = getattr(manager, "_lora_model_cls", None)
+    if manager is None or base is None or not hasattr(base, "from_lora_tensors") or not tensors:
+        return False
+    accepted = inspect.signature(base.from_lora_tensors).parameters
+    device = str(next(iter(tensors.values())).device)
+
+    class Received(base):  # type: ignore[misc]
+        @classmethod
+        def from_local_checkpoint(cls, lora_dir: str, expected_lora_modules: Any, peft_helper: Any, **kwargs: Any) -> Any:
+            kwargs = {k: v for k, v in kwargs.items() if k in accepted and k != "device"}
+            return base.from_lora_tensors(tensors=dict(tensors), peft_helper=peft_helper, device=device, **kwargs)
+
+    manager._lora_model_cls = Received
+    try:
+        manager.add_adapter(LoRARequest(lora_name=key, lora_int_id=lora_id, lora_path=path))
+    finally:
+        manager._lora_model_cls = base
+    return True
+
+
 # ---- driver side -----------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class LoadedLora:
@@ -167,27 +215,44 @@ class VllmLoras:
         path = self.root / key
         what = f"LoRA '{spec.name}' v{manifest.version}"
         timeout = manifest.timeout_s * (len(manifest.buckets) + 2)
-        results = await self._engine._rpc("roe_receive_lora", manifest_to_wire(manifest), str(path), timeout=timeout)
+        # Retired versions no request uses: the workers remove them from vLLM in the same call.
+        in_use = self._in_use()
+        retire = [r for r in self._retired if id(r) not in in_use]
+        path.mkdir(mode=0o700)
+        write_adapter_config(path, spec, base_model=str(self._engine.config.model))  # every worker reads it
+        t0 = time.perf_counter()
+        results = await self._engine._rpc("roe_receive_lora", manifest_to_wire(manifest), str(path), key, lora_id,
+                                          [r.request.lora_int_id for r in retire], timeout=timeout)
+        rpc_s = time.perf_counter() - t0
+        for gone in retire:
+            self._retired.remove(gone)
+            shutil.rmtree(gone.path, ignore_errors=True)
+        request = LoRARequest(lora_name=key, lora_int_id=lora_id, lora_path=str(path))
         try:
             raise_worker_error(results, what)
             if not (path / ADAPTER_WEIGHTS).is_file():
                 raise ManifestMismatch(f"{what}: no worker wrote the adapter folder")
-            request = LoRARequest(lora_name=key, lora_int_id=lora_id, lora_path=str(path))
-            llm = self._engine.async_llm
-            try:
-                await self._engine._on_loop(lambda: llm.add_lora(request))
-            except Exception as exc:
-                raise ManifestMismatch(f"vLLM refused {what}: {exc}") from exc
+            if not all(r.get("installed") for r in results):  # registered through vLLM's add_lora instead
+                llm = self._engine.async_llm
+                try:
+                    await self._engine._on_loop(lambda: llm.add_lora(request))
+                except Exception as exc:
+                    raise ManifestMismatch(f"vLLM refused {what}: {exc}") from exc
         except BaseException:
+            with contextlib.suppress(Exception):  # a worker may have installed it before another failed
+                await self._engine._rpc("roe_remove_lora", lora_id, timeout=manifest.timeout_s)
             shutil.rmtree(path, ignore_errors=True)
             raise
+        self._engine._last_receive = LastReceive(
+            version=manifest.version, rpc_s=round(rpc_s, 6),
+            workers=[ReceiveTimings.of(r.get("timings")) for r in results if isinstance(r, dict)],
+        )
         loaded = LoadedLora(spec.name, manifest.version, request, path)
         with self._engine._seqs_lock:
             old = self.active.get(spec.name)
             self.active[spec.name] = loaded
-        if old is not None:
+        if old is not None:  # removed from vLLM by the next push, or by sweep (unload, close)
             self._retired.append(old)
-        await self.sweep()
         logger.info("LoRA '%s' v%d installed (vLLM id %d)", spec.name, manifest.version, lora_id)
 
     async def unload(self, name: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -270,31 +271,48 @@ class WorkerExtension:
 
         worker_lora_setup(self)
 
-    def roe_receive_lora(self, wire: dict[str, Any], path: str) -> dict[str, Any]:
+    def roe_receive_lora(self, wire: dict[str, Any], path: str, key: str = "", lora_id: int = 0,
+                         retire: list[int] | None = None) -> dict[str, Any]:
         """Receive a LoRA adapter push (``wire``: a manifest with ``lora`` set) through this worker's
-        receiver, leaving the model untouched; rank 0 writes it as a PEFT folder at ``path``."""
-        from rollout_engines.weights.lora import receive_lora, save_peft_adapter
+        receiver, leaving the model untouched; rank 0 writes its tensors into the folder ``path``
+        (the driver wrote its config there), then each worker registers the adapter with its vLLM
+        LoRA manager as ``key`` / ``lora_id`` from the received tensors
+        (:func:`.lora.worker_install_lora`; ``installed`` False: the driver registers it through
+        vLLM's ``add_lora``). First it removes the retired versions ``retire`` (vLLM ids no request
+        uses any more), whatever becomes of this push."""
+        from rollout_engines.weights.lora import receive_lora, write_adapter_weights
 
-        from .lora import worker_lora_modules
+        from .lora import worker_install_lora, worker_lora_modules, worker_remove_loras
 
         state = self._roe_state()
         receiver: WeightReceiver | None = state["receiver"]
         if receiver is None:
             return error_result(WeightSyncError("no weight transfer initialised in this worker; connect first"))
         try:
+            worker_remove_loras(self, list(retire or ()))
             manifest = manifest_from_wire(wire)
-            spec = manifest.lora
-            if spec is None:
+            if manifest.lora is None:
                 raise ManifestMismatch("a LoRA receive needs a manifest with 'lora' set")
             tensors = receive_lora(receiver, manifest, state["target"].expected_specs(), supported=worker_lora_modules(self),
                                    hint="vLLM has no LoRA layer for them in this model")
+            t0 = time.perf_counter()
             if int(getattr(self, "rank", 0)) == 0:
-                save_peft_adapter(path, spec, tensors, base_model=str(self.model_runner.model_config.model))
-            return {"ok": True, "version": manifest.version, "timings": receiver.last_timings}
+                write_adapter_weights(path, tensors)
+            installed = bool(key) and worker_install_lora(self, tensors, key=key, lora_id=lora_id, path=path)
+            install = time.perf_counter() - t0
+            timings = dict(receiver.last_timings)
+            timings.update(install=round(install, 6), total=round(timings.get("total", 0.0) + install, 6))
+            return {"ok": True, "version": manifest.version, "installed": installed, "timings": timings}
         except BaseException as exc:
             if not isinstance(exc, ManifestMismatch):
                 logger.warning("LoRA receive failed in worker: %s", exc)
             return error_result(exc)
+
+    def roe_remove_lora(self, lora_id: int) -> None:
+        """Remove the adapter ``lora_id`` from this worker's vLLM LoRA manager (a no-op where absent)."""
+        from .lora import worker_remove_loras
+
+        worker_remove_loras(self, [lora_id])
 
     def roe_close_weight_transfer(self) -> None:
         state = self._roe_state()

@@ -197,12 +197,18 @@ async def test_new_version_replaces_old_and_stale_is_refused(engine, sync, refer
     outs = await engine.generate(request("x"))
     assert [c.token_ids for c in outs] == reference(spec, v2)
     assert {c.lora_version for c in outs} == {2}
-    assert len(folders(engine)) == 1  # version 1 is gone from disk (and from vLLM)
     with pytest.raises(WeightSyncError) as info:
         await sync.push_lora(spec, v1, version=2)
     assert caused_by(info.value, StaleVersion)
     assert engine.loras == {"x": 2}
     assert await tokens(engine, "x") == reference(spec, v2)
+    # The version a push retires leaves vLLM and the disk in the next push's call.
+    await sync.push_lora(spec, v1, version=3)
+    kept = folders(engine)
+    assert [f.rsplit("-", 1)[0] for f in kept] == ["x-v2", "x-v3"]
+    assert await tokens(engine, "x") == reference(spec, v1)
+    registered = await engine._on_loop(lambda: engine.async_llm.list_loras())
+    assert sorted(registered) == sorted(int(f.rsplit("-", 1)[1]) for f in kept)
 
 
 async def test_request_in_flight_keeps_its_version_across_a_push(engine, sync):

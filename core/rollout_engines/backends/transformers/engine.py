@@ -63,6 +63,7 @@ import concurrent.futures
 import gc
 import logging
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
@@ -1018,14 +1019,20 @@ class TransformersEngine(Engine):
         spec = manifest.lora
         assert spec is not None
 
-        def receive() -> Adapter:
+        def receive() -> tuple[Adapter, dict[str, float]]:
             with self._receive_lock:
                 tensors = receive_lora(receiver, manifest, self._lora.base_specs())
-            return self._lora.build(spec.name, manifest.version, spec.scaling, tensors)
+                timings = dict(receiver.last_timings)
+            t0 = time.perf_counter()
+            adapter = self._lora.build(spec.name, manifest.version, spec.scaling, tensors)
+            install = time.perf_counter() - t0
+            timings.update(install=round(install, 6), total=round(timings.get("total", 0.0) + install, 6))
+            return adapter, timings
 
-        adapter = await run_in_thread(receive, name="roe-lora-receive")
+        adapter, timings = await run_in_thread(receive, name="roe-lora-receive")
         with self._cv:  # requests admitted from the next step on get this version
             self._lora.adapters[spec.name] = adapter
+        self._last_receive = LastReceive(version=manifest.version, workers=[ReceiveTimings.of(timings)])
 
     async def _unload_lora(self, name: str) -> None:
         with self._cv:  # rows running with it finish with it; its hooks go once none is left
