@@ -12,6 +12,9 @@ Three measurements on one engine:
   requests were waiting, from the engine's own state (:class:`EngineSampler`; where the backend
   does not report it, from the deltas' time stamps). ``stall_fraction`` is the deltas' view
   (:class:`IdleMeter`): time beyond one step with no token delivered, prefills included.
+  ``paused_fraction``: the seconds the engine itself counted paused during the push run
+  (``info().paused_s``), over its wall time; ``engine_samples``: how many ``info()`` samples the
+  idle figure rests on.
 - **Abort latency**: ``--aborts`` running requests (each has streamed a token; ``--concurrency``
   - 1 other requests keep the engine busy) are aborted one at a time; the latency is from the
   ``abort()`` call to the arrival of the request's last delta (``finish_reason="abort"``).
@@ -126,6 +129,7 @@ class EngineSampler:
         self.engine, self.outstanding, self.interval_s = engine, outstanding, interval_s
         self.idle_s = 0.0
         self.wall_s = 0.0
+        self.samples = 0
         self.supported: bool | None = None
         self._paused_s: float | None = None  # the engine's info().paused_s at the last sample
         self._stop = asyncio.Event()
@@ -143,6 +147,7 @@ class EngineSampler:
                     return
             dt, last = now - last, now
             self.wall_s += dt
+            self.samples += 1
             # requests taken by the worker (stepped, prefilled, or re-prefilled after a push)
             working = extra.get("running") or extra.get("running_rows") or extra.get("pending_rows")
             frozen = bool(extra.get("frozen")) or info.paused
@@ -257,6 +262,7 @@ async def _load(engine: Any, requests: list[GenerateRequest], concurrency: int, 
                 pushes.append(pushing)
 
     sampler = EngineSampler(engine, lambda: meter.inflight)
+    paused_before = (await engine.info()).paused_s
     sampling = asyncio.ensure_future(sampler.run())
     start = time.perf_counter()
     tasks = []
@@ -269,7 +275,10 @@ async def _load(engine: Any, requests: list[GenerateRequest], concurrency: int, 
     await asyncio.gather(sampling, *pushes)
     gaps = meter.result()
     engine_idle = sampler.result()
-    return {"seconds": seconds, "tokens": meter.token_count, "spanning": spanning, **gaps,
+    paused_after = (await engine.info()).paused_s
+    paused = None if paused_before is None or paused_after is None else round((paused_after - paused_before) / seconds, 4)
+    return {"seconds": seconds, "tokens": meter.token_count, "spanning": spanning, **gaps, "paused_fraction": paused,
+            "samples": sampler.samples,
             "stall_fraction": gaps["idle_fraction"],
             "idle_fraction": engine_idle if engine_idle is not None else gaps["idle_fraction"],
             "idle_source": "engine info()" if engine_idle is not None else "delta gaps"}
@@ -368,7 +377,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "pushes": pushes, "completions_spanning_updates": pushed["spanning"],
         "pause_push_ms_median": round(statistics.median(pusher.pause_s) * 1e3, 2) if pusher.pause_s else None,
         "idle_fraction": pushed["idle_fraction"], "idle_fraction_no_push": plain["idle_fraction"],
-        "idle_source": pushed["idle_source"],
+        "idle_source": pushed["idle_source"], "paused_fraction": pushed["paused_fraction"],
+        "engine_samples": pushed["samples"],
         "stall_fraction": pushed["stall_fraction"], "stall_fraction_no_push": plain["stall_fraction"],
         "step_ms": pushed["step_ms"],
         "aborts": len(latencies),

@@ -298,10 +298,12 @@ class WorkerExtension:
             t0 = time.perf_counter()
             if int(getattr(self, "rank", 0)) == 0:
                 write_adapter_weights(path, tensors)
+            t1 = time.perf_counter()
             installed = bool(key) and worker_install_lora(self, tensors, key=key, lora_id=lora_id, path=path)
-            install = time.perf_counter() - t0
+            t2 = time.perf_counter()
             timings = dict(receiver.last_timings)
-            timings.update(install=round(install, 6), total=round(timings.get("total", 0.0) + install, 6))
+            timings.update(store=round(t1 - t0, 6), install=round(t2 - t1, 6),
+                           total=round(timings.get("total", 0.0) + t2 - t0, 6))
             return {"ok": True, "version": manifest.version, "installed": installed, "timings": timings}
         except BaseException as exc:
             if not isinstance(exc, ManifestMismatch):
