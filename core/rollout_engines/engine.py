@@ -167,6 +167,9 @@ class Engine(EngineProtocol):
     #: made of engines (EngineGroup) leave it to their members. Engines in another process are
     #: reached through a proxy, whose far engine applies this rule itself: there is no second flag.
     reset_prefix_cache_on_wake: ClassVar[bool] = True
+    #: Whether a weight update stops generation while it is applied (vLLM and SGLang apply it in
+    #: their scheduler loop, between two steps): ``info().held_s`` then counts updates as held time.
+    updates_hold_generation: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -179,7 +182,10 @@ class Engine(EngineProtocol):
         self._resumed.set()
         self._paused = False
         self._paused_at = 0.0
-        self._paused_total_s = 0.0  # info().paused_s: what bench async counts as frozen time
+        self._paused_total_s = 0.0  # info().paused_s
+        self._held_depth = 0  # info().held_s: paused, or inside an update that holds generation
+        self._held_since = 0.0
+        self._held_total_s = 0.0
         self._pause_mode: PauseMode | None = None
         self._weight_update_lock = threading.Lock()
         #: The update being received: (version, monotonic start, its timeout), else None.
@@ -447,6 +453,7 @@ class Engine(EngineProtocol):
         self._check_not_closed()
         if not self._paused:
             self._paused_at = time.perf_counter()
+            self._hold()
         self._paused = True
         self._pause_mode = mode
         self._resumed.clear()
@@ -457,8 +464,24 @@ class Engine(EngineProtocol):
         await self._resume()
         if self._paused:
             self._paused_total_s += time.perf_counter() - self._paused_at
+            self._unhold()
         self._paused, self._pause_mode = False, None
         self._resumed.set()
+
+    def _hold(self) -> None:
+        """Generation is held from now (a pause, or an update that holds it) until :meth:`_unhold`;
+        overlapping holds count once in ``info().held_s``."""
+        if self._held_depth == 0:
+            self._held_since = time.perf_counter()
+        self._held_depth += 1
+
+    def _unhold(self) -> None:
+        self._held_depth -= 1
+        if self._held_depth == 0:
+            self._held_total_s += time.perf_counter() - self._held_since
+
+    def _held_s(self) -> float:
+        return self._held_total_s + (time.perf_counter() - self._held_since if self._held_depth else 0.0)
 
     async def init_weight_transfer(self, spec: TransportSpec) -> None:
         """Join a trainer's weight-sync session (called by :func:`connect_weight_sync`)."""
@@ -505,20 +528,27 @@ class Engine(EngineProtocol):
         hooks = get_registry().hooks
         hooks.before_weight_update(engine=self, manifest=manifest)
         start, error = time.perf_counter(), None
-        self._receiving = (manifest.version, time.monotonic(), manifest.timeout_s)
+        holds = self.updates_hold_generation
+        if holds:
+            self._hold()
         try:
-            await self._receive_weights(manifest)
-        except BaseException as exc:
-            error = exc
-            raise
+            self._receiving = (manifest.version, time.monotonic(), manifest.timeout_s)
+            try:
+                await self._receive_weights(manifest)
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                self._receiving = None
+                hooks.after_weight_update(
+                    engine=self, manifest=manifest, seconds=time.perf_counter() - start, error=error
+                )
+            self.weight_version = manifest.version
+            self._weights_invalid = None
+            await self._forget_cached_prefixes()
         finally:
-            self._receiving = None
-            hooks.after_weight_update(
-                engine=self, manifest=manifest, seconds=time.perf_counter() - start, error=error
-            )
-        self.weight_version = manifest.version
-        self._weights_invalid = None
-        await self._forget_cached_prefixes()
+            if holds:
+                self._unhold()
         return self.weight_version
 
     async def close_weight_transfer(self) -> None:
@@ -549,10 +579,14 @@ class Engine(EngineProtocol):
                 "and versions must increase (allow_rollback=True to go back)"
             )
         self._receiving = (manifest.version, time.monotonic(), manifest.timeout_s)
+        if self.updates_hold_generation:
+            self._hold()
         try:
             await self._receive_lora(manifest)
         finally:
             self._receiving = None
+            if self.updates_hold_generation:
+                self._unhold()
         self.loras[spec.name] = manifest.version
         return manifest.version
 
@@ -574,6 +608,7 @@ class Engine(EngineProtocol):
             asleep=sorted(self._asleep),
             paused=self._paused,
             paused_s=self._paused_total_s + (time.perf_counter() - self._paused_at if self._paused else 0.0),
+            held_s=self._held_s(),
             outstanding=self._outstanding_count(),
             healthy=self._can_serve(),
             capabilities=self.capabilities.model_dump(),

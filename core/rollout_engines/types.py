@@ -438,6 +438,9 @@ class EngineInfo(_Model):
     paused: bool = False
     paused_s: float | None = Field(default=None, description="Seconds spent paused since start, the "
                                    "current pause included (None where the engine does not count them).")
+    held_s: float | None = Field(default=None, description="Seconds generation was held since start: paused, "
+                                 "or applying a weight update on a backend whose updates stop generation "
+                                 "(vLLM, SGLang); overlaps count once (None where not counted).")
     outstanding: int = 0
     healthy: bool = Field(default=True, description="Ready: generation is accepted now (not closed, weights "
                           "valid, no update stuck). Liveness is Engine.health().")

@@ -12,9 +12,10 @@ Three measurements on one engine:
   requests were waiting, from the engine's own state (:class:`EngineSampler`; where the backend
   does not report it, from the deltas' time stamps). ``stall_fraction`` is the deltas' view
   (:class:`IdleMeter`): time beyond one step with no token delivered, prefills included.
-  ``paused_fraction``: the seconds the engine itself counted paused during the push run
-  (``info().paused_s``), over its wall time; ``engine_samples``: how many ``info()`` samples the
-  idle figure rests on.
+  ``paused_fraction`` / ``held_fraction``: the seconds the engine itself counted paused
+  (``info().paused_s``) / holding generation (``info().held_s``: paused, or applying an update
+  that stops generation, as vLLM's and SGLang's do) during the push run, over its wall time;
+  ``engine_samples``: how many ``info()`` samples the idle figure rests on.
 - **Abort latency**: ``--aborts`` running requests (each has streamed a token; ``--concurrency``
   - 1 other requests keep the engine busy) are aborted one at a time; the latency is from the
   ``abort()`` call to the arrival of the request's last delta (``finish_reason="abort"``).
@@ -116,9 +117,10 @@ class EngineSampler:
     """The engine's own view of idleness: ``info()`` sampled every ``interval_s``.
 
     Time is idle when requests were outstanding (``outstanding()``, the caller's count) and the
-    engine worked on none of them: it was paused (frozen by a ``keep`` pause: the paused seconds
-    the engine counts, ``info().paused_s``, so pauses shorter than the sampling interval count
-    too), or had taken no request (no running request, row or row waiting to be prefilled: it was
+    engine worked on none of them: generation was held (frozen by a ``keep`` pause, or stopped by
+    a weight update being applied, on backends whose updates stop it: the held seconds the engine
+    counts, ``info().held_s``, so holds shorter than the sampling interval count too), or it had
+    taken no request (no running request, row or row waiting to be prefilled: it was
     applying weights, or waited for the caller). Prefills count as work, the re-prefill of kept
     rows after a push included (the deltas' view, :class:`IdleMeter`, counts them as stalls). Needs a backend that reports
     ``running_rows`` (and ``running``, ``pending_rows``, ``frozen``) in ``info().extra``, as the
@@ -152,12 +154,14 @@ class EngineSampler:
             working = extra.get("running") or extra.get("running_rows") or extra.get("pending_rows")
             frozen = bool(extra.get("frozen")) or info.paused
             paused = None
-            if info.paused_s is not None:
-                # Time paused since the last sample, as the engine counted it: a pause + push +
-                # resume can begin and end between two samples (this loop waits for the event
-                # loop), so the state at the sample alone would miss it.
-                paused = min(dt, max(0.0, info.paused_s - self._paused_s)) if self._paused_s is not None else 0.0
-                self._paused_s = info.paused_s
+            held_s = info.held_s if info.held_s is not None else info.paused_s
+            if held_s is not None:
+                # Time held since the last sample, as the engine counted it (paused, or applying an
+                # update that stops generation): a pause + push + resume can begin and end between
+                # two samples (this loop waits for the event loop), so the state at the sample
+                # alone would miss it.
+                paused = min(dt, max(0.0, held_s - self._paused_s)) if self._paused_s is not None else 0.0
+                self._paused_s = held_s
             if self.outstanding() > 0:
                 if not frozen and not working:
                     self.idle_s += dt
@@ -262,7 +266,7 @@ async def _load(engine: Any, requests: list[GenerateRequest], concurrency: int, 
                 pushes.append(pushing)
 
     sampler = EngineSampler(engine, lambda: meter.inflight)
-    paused_before = (await engine.info()).paused_s
+    before = await engine.info()
     sampling = asyncio.ensure_future(sampler.run())
     start = time.perf_counter()
     tasks = []
@@ -275,9 +279,13 @@ async def _load(engine: Any, requests: list[GenerateRequest], concurrency: int, 
     await asyncio.gather(sampling, *pushes)
     gaps = meter.result()
     engine_idle = sampler.result()
-    paused_after = (await engine.info()).paused_s
-    paused = None if paused_before is None or paused_after is None else round((paused_after - paused_before) / seconds, 4)
-    return {"seconds": seconds, "tokens": meter.token_count, "spanning": spanning, **gaps, "paused_fraction": paused,
+    after = await engine.info()
+
+    def share(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else round((b - a) / seconds, 4)
+
+    return {"seconds": seconds, "tokens": meter.token_count, "spanning": spanning, **gaps,
+            "paused_fraction": share(before.paused_s, after.paused_s), "held_fraction": share(before.held_s, after.held_s),
             "samples": sampler.samples,
             "stall_fraction": gaps["idle_fraction"],
             "idle_fraction": engine_idle if engine_idle is not None else gaps["idle_fraction"],
@@ -378,6 +386,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "pause_push_ms_median": round(statistics.median(pusher.pause_s) * 1e3, 2) if pusher.pause_s else None,
         "idle_fraction": pushed["idle_fraction"], "idle_fraction_no_push": plain["idle_fraction"],
         "idle_source": pushed["idle_source"], "paused_fraction": pushed["paused_fraction"],
+        "held_fraction": pushed["held_fraction"],
         "engine_samples": pushed["samples"],
         "stall_fraction": pushed["stall_fraction"], "stall_fraction_no_push": plain["stall_fraction"],
         "step_ms": pushed["step_ms"],

@@ -285,6 +285,8 @@ class SglangEngine(Engine):
     """An SGLang engine in this process (its TP workers in subprocesses SGLang starts)."""
 
     backend_name: ClassVar[str] = "sglang"
+    #: Updates are applied in SGLang's scheduler, between two steps: generation stops meanwhile.
+    updates_hold_generation: ClassVar[bool] = True
     capabilities = Capabilities(**DEFAULT_CAPABILITIES)
 
     def __init__(self, config: EngineConfig, *, runtime: SglangRuntime | None = None) -> None:

@@ -258,6 +258,8 @@ class VllmEngine(Engine):
     """A vLLM engine. Create it with ``rollout_engines.create_engine("vllm", model=PATH, ...)``."""
 
     backend_name: ClassVar[str] = "vllm"
+    #: Updates are applied in vLLM's engine core, between two steps: generation stops meanwhile.
+    updates_hold_generation: ClassVar[bool] = True
     #: Declared for listings; each instance replaces it with its platform's (see _capabilities_for).
     capabilities = Capabilities(
         chat=True, logprobs=True, n=True, stop_strings=True, seed=True, pause=True, prefix_cache=True,

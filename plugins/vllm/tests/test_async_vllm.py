@@ -194,11 +194,16 @@ async def test_stream_across_a_keep_pause_and_push(engine, tiny_model):
                 # what bench async's EngineSampler reads: vLLM holds one request, then it is frozen
                 running = (await engine.info()).extra
                 assert running["running_rows"] == 1 and running["frozen"] is False
+                outside = await engine.info()
                 await engine.pause("keep")
                 assert (await engine.info()).extra["frozen"] is True
                 assert await push(perturbed(original), v0 + 1) == v0 + 1
                 await engine.resume()
-                assert (await engine.info()).extra["frozen"] is False
+                inside = await engine.info()
+                assert inside.extra["frozen"] is False
+                # the push inside the pause is held time once, not twice
+                held, paused = inside.held_s - outside.held_s, inside.paused_s - outside.paused_s
+                assert paused > 0 and held == pytest.approx(paused, abs=0.01)
     finally:
         if engine._paused:
             await engine.resume()
@@ -212,4 +217,9 @@ async def test_stream_across_a_keep_pause_and_push(engine, tiny_model):
                                                    continue_from=[prefix])))[0]
     assert check.token_ids == tokens[: switch + 6]
     assert check.versions() == [v0] * switch + [v0 + 1] * 6
+    # A push outside a pause stops vLLM's generation while it is applied: info().held_s counts it
+    # (what bench async's EngineSampler reads), info().paused_s does not.
+    before = await engine.info()
     await push(original, v0 + 2)
+    after = await engine.info()
+    assert after.paused_s == pytest.approx(before.paused_s) and after.held_s > before.held_s
