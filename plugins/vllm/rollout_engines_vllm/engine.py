@@ -133,6 +133,12 @@ class VllmOptions(BaseModel):
         "(WeightSync.push(quantize='fp8_block')). Named apart from vLLM's own 'quantization', which "
         "says how to read a checkpoint and still passes through.",
     )
+    fp8_apply: Literal["auto", "reload"] = Field(
+        default="auto",
+        description="FP8 engines (weight_quantization): 'auto' writes pushed weights straight into "
+        "the FP8 parameters where their layout is known (vLLM's block-scaled Cutlass/Triton kernels), "
+        "else through vLLM's reload_weights; 'reload' always takes reload_weights.",
+    )
     copy_plan: bool = Field(
         default=True,
         description="CUDA: learn where each tensor lands on the first push, then load later pushes "
@@ -949,7 +955,8 @@ class VllmEngine(Engine):
     async def _init_weight_transfer(self, spec: TransportSpec) -> None:
         from .worker_ext import raise_worker_error
 
-        worker_options = {"mode": self.options.weight_apply_mode, "copy_plan": self.options.copy_plan}
+        worker_options = {"mode": self.options.weight_apply_mode, "copy_plan": self.options.copy_plan,
+                          "fp8_apply": self.options.fp8_apply}
         results = await self._rpc(
             "roe_init_weight_transfer", spec.model_dump_json(), worker_options, timeout=spec.timeout_s + 30
         )

@@ -56,8 +56,9 @@ class _Dest:
 class Fp8BlockApplier:
     """Writes checkpoint-form weights (BF16, or FP8 with scales) into a running FP8 block model."""
 
-    def __init__(self, worker: Any, block: tuple[int, int]) -> None:
+    def __init__(self, worker: Any, block: tuple[int, int], *, always_reload: bool = False) -> None:
         self.worker, self.block = worker, block
+        self.always_reload = always_reload  # the engine option fp8_apply="reload"
         model = worker.model_runner.get_model()
         self.packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
         self.modules = dict(model.named_modules())
@@ -65,10 +66,12 @@ class Fp8BlockApplier:
         self._dests: dict[str, _Dest | None] = {}
         self._pending: dict[str, torch.Tensor] = {}  # half of an FP8 pair, waiting for the other half
         self.use_triton = self.device.type == "cuda" and _triton_quantizer() is not None
-        self.reloads = 0  #: pushes that went through vLLM's reload_weights
+        self.reload_sizes: list[int] = []  #: per load through vLLM's reload_weights: its quantized weights
 
     # ---- planning ----------------------------------------------------------------------------------
     def dest(self, name: str) -> _Dest | None:
+        if self.always_reload:
+            return None
         if name not in self._dests:
             self._dests[name] = self._plan(name)
         return self._dests[name]
@@ -190,7 +193,7 @@ class Fp8BlockApplier:
                     s_dst.copy_(s)
 
     def _reload(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor | None]]) -> None:
-        self.reloads += 1
+        self.reload_sizes.append(len(pairs))
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor, scale in pairs:

@@ -53,7 +53,7 @@ class VllmWeightTarget:
     ``model.load_weights`` fails there after start-up), ``model.load_weights`` elsewhere.
     """
 
-    def __init__(self, worker: Any, *, copy_plan: bool = True) -> None:
+    def __init__(self, worker: Any, *, copy_plan: bool = True, fp8_reload: bool = False) -> None:
         self.worker = worker
         model_config = worker.model_config
         dtype = str(model_config.dtype).removeprefix("torch.")
@@ -80,7 +80,7 @@ class VllmWeightTarget:
             if not self.use_reload:
                 from .fp8_apply import Fp8BlockApplier
 
-                self.fp8 = Fp8BlockApplier(worker, block)
+                self.fp8 = Fp8BlockApplier(worker, block, always_reload=fp8_reload)
 
     @property
     def quantized(self) -> frozenset[str]:
@@ -208,7 +208,8 @@ class WorkerExtension:
             spec = TransportSpec.model_validate_json(spec_json)
             state = self._roe_state()
             if state["target"] is None:
-                state["target"] = VllmWeightTarget(self, copy_plan=bool(options.get("copy_plan", True)))
+                state["target"] = VllmWeightTarget(self, copy_plan=bool(options.get("copy_plan", True)),
+                                                   fp8_reload=options.get("fp8_apply") == "reload")
             if state["receiver"] is not None:
                 state["receiver"].close()
             if mode == "inplace" and state["target"].use_reload:
@@ -315,6 +316,13 @@ class WorkerExtension:
         from .lora import worker_remove_loras
 
         worker_remove_loras(self, [lora_id])
+
+    def roe_fp8_reloads(self) -> list[int] | None:
+        """The FP8 updates this worker loaded through vLLM's ``reload_weights`` (each one's number of
+        quantized weights); None where it serves no FP8 copy or has no weight transfer yet."""
+        target = self._roe_state()["target"]
+        fp8 = getattr(target, "fp8", None)
+        return None if fp8 is None else list(fp8.reload_sizes)
 
     def roe_close_weight_transfer(self) -> None:
         state = self._roe_state()

@@ -228,24 +228,11 @@ def test_pushes_into_the_fp8_engine(engines, model_dir, original, changed):
     run(go())
 
 
-def test_reload_path_gives_the_same_weights(model_dir, original, changed, monkeypatch):
+def test_reload_path_gives_the_same_weights(model_dir, original, changed):
     """Where the direct layout is not known (another kernel), pushes go through vLLM's
-    reload_weights. Forced here in an in-process engine (multiprocessing=False puts the worker in
-    this process, so the applier can be patched); results equal the direct path's."""
-    from rollout_engines_vllm import fp8_apply
-
-    monkeypatch.setattr(fp8_apply, "IDENTITY_KERNELS", set())
-    reloads = []
-    real_reload = fp8_apply.Fp8BlockApplier._reload
-
-    def counting(self, pairs):
-        reloads.append(len(pairs))
-        return real_reload(self, pairs)
-
-    monkeypatch.setattr(fp8_apply.Fp8BlockApplier, "_reload", counting)
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    engine = create_engine("vllm", model=str(model_dir), weight_quantization="fp8_block", multiprocessing=False,
-                           **COMMON)
+    reload_weights. Forced here by the engine option ``fp8_apply="reload"``; the worker reports each
+    load through reload_weights; results equal the direct path's."""
+    engine = create_engine("vllm", model=str(model_dir), weight_quantization="fp8_block", fp8_apply="reload", **COMMON)
 
     async def go():
         start, lp0 = await fingerprint(engine), await prompt_logprobs(engine)
@@ -256,6 +243,7 @@ def test_reload_path_gives_the_same_weights(model_dir, original, changed, monkey
         assert gap(await prompt_logprobs(engine), lp0)[1] <= 1e-6
         await push(engine, changed)  # BF16, quantized by the worker before reload_weights
         assert await fingerprint(engine) != start
+        [reloads] = await engine._rpc("roe_fp8_reloads")
         assert len(reloads) == 3 and all(n == 2 * 7 for n in reloads)
 
     try:
