@@ -248,7 +248,7 @@ def write_adapter_config(folder: str | Path, spec: LoraSpec, *, base_model: str 
     return file
 
 
-def _to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` copied to host memory, contiguous; from a GPU in one copy per dtype (one
     synchronisation instead of one per tensor)."""
     out: dict[str, torch.Tensor] = {}
@@ -277,7 +277,7 @@ def write_adapter_weights(folder: str | Path, tensors: Mapping[str, torch.Tensor
     from safetensors.torch import save_file
 
     file = Path(folder) / ADAPTER_WEIGHTS
-    host = _to_host(tensors)
+    host = to_host(tensors)
     fd, tmp = tempfile.mkstemp(prefix=f".{ADAPTER_WEIGHTS}.", dir=file.parent)
     os.close(fd)
     try:

@@ -6,17 +6,19 @@ on each worker's receiver). Each worker checks the manifest against the base mod
 names and the layers vLLM can adapt before it takes any bucket; a refused adapter is drained (the
 session stays in step) and raises :class:`ManifestMismatch` with nothing installed. The driver
 prepares a folder in the engine's private temporary directory (mode 0700) with the adapter's
-``adapter_config.json``; worker rank 0 writes the received tensors next to it
-(``adapter_model.safetensors``), and in the same call every worker registers the adapter with its
-vLLM LoRA manager from the received tensors (:func:`worker_install_lora`: vLLM's own ``add_lora``
-with the read from the folder skipped) under a new ``lora_int_id`` and a new ``lora_name``. Only
-then does the driver retire the version it replaces. vLLM keys its adapter cache on the id and its
-prefix cache on the name and path, so two versions never share cached state.
+``adapter_config.json``, and in the same call that received the adapter every worker registers it
+with its vLLM LoRA manager from the received tensors (:func:`worker_install_lora`: vLLM's own
+``add_lora`` with the tensors handed over instead of read from a folder) under a new
+``lora_int_id`` and a new ``lora_name``. Only then does the driver retire the version it replaces.
+vLLM keys its adapter cache on the id and its prefix cache on the name and path, so two versions
+never share cached state.
 
-Why a folder as well: vLLM loads an adapter from ``lora_path`` whenever it is activated again
-after an LRU eviction, so the folder must exist for as long as requests name that version. A
-retired version is removed from vLLM, and its folder deleted, once no running request uses it: by
-the workers in the next push's call, or at an unload or close.
+vLLM builds an adapter again whenever it is activated after an LRU eviction of its cache; each
+worker keeps a host copy of what it received (:data:`RECEIVED`) and answers that build from it, so
+the tensors never go to disk (where a vLLM lacks the manager this relies on, rank 0 writes them
+into the folder and the driver registers it through ``add_lora``). A retired version is removed
+from vLLM, its copies and its folder deleted, once no running request uses it: by the workers in
+the next push's call, or at an unload or close.
 
 On CPU, vLLM 0.32 adds the last adapter slot's delta to base-model requests batched with LoRA
 requests; :func:`fix_cpu_no_lora_rows` corrects that in the workers before the first adapter is
@@ -113,11 +115,50 @@ def worker_lora_modules(worker: Any) -> list[str]:
     return sorted(set(names))
 
 
+#: This worker's received adapters, by vLLM id: host copies of the tensors as received (PEFT names),
+#: from which vLLM builds an adapter again after its cache evicted it (in place of a folder read).
+RECEIVED: dict[int, dict[str, torch.Tensor]] = {}
+
+
+def _received_model_cls(base: Any) -> Any:
+    """vLLM's LoRA model class ``base`` with its folder load answered from :data:`RECEIVED` for the
+    adapters this worker received (others load from their folders as before)."""
+    import inspect
+
+    accepted = inspect.signature(base.from_lora_tensors).parameters
+
+    class ReceivedLoRAModel(base):  # type: ignore[misc]
+        roe_received = True
+
+        @classmethod
+        def from_local_checkpoint(cls, lora_dir: str, expected_lora_modules: Any, peft_helper: Any, **kwargs: Any) -> Any:
+            tensors = RECEIVED.get(kwargs.get("lora_model_id"))  # type: ignore[arg-type]
+            if tensors is None:
+                return super().from_local_checkpoint(lora_dir, expected_lora_modules, peft_helper=peft_helper, **kwargs)
+            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+            device = str(kwargs.pop("device", "cpu"))
+            pending = _PENDING.pop(kwargs.get("lora_model_id"), None)  # type: ignore[arg-type]
+            if pending is not None:  # the install of a push: the received tensors, on their device
+                tensors, device = pending, str(next(iter(pending.values())).device)
+            else:  # again after an eviction: copies (vLLM scales the B tensors it is given in place)
+                tensors = {n: t.clone() for n, t in tensors.items()}
+            return base.from_lora_tensors(tensors=dict(tensors), peft_helper=peft_helper, device=device, **kwargs)
+
+    return ReceivedLoRAModel
+
+
+#: The received device tensors of the adapter being installed (one call), by vLLM id.
+_PENDING: dict[int, dict[str, torch.Tensor]] = {}
+
+
 def worker_remove_loras(worker: Any, lora_ids: list[int]) -> None:
-    """Remove the adapters ``lora_ids`` from this worker's vLLM LoRA manager (absent ones: no-op)."""
+    """Remove the adapters ``lora_ids`` from this worker's vLLM LoRA manager (absent ones: no-op),
+    and the host copies kept for them."""
     manager: Any = getattr(worker.model_runner, "lora_manager", None)
-    for lora_id in lora_ids if manager is not None else ():
-        manager.remove_adapter(lora_id)
+    for lora_id in lora_ids:
+        if manager is not None:
+            manager.remove_adapter(lora_id)
+        RECEIVED.pop(lora_id, None)
 
 
 def worker_install_lora(worker: Any, tensors: dict[str, torch.Tensor], *, key: str, lora_id: int, path: str) -> bool:
@@ -125,35 +166,34 @@ def worker_install_lora(worker: Any, tensors: dict[str, torch.Tensor], *, key: s
     in the call that received them.
 
     This is vLLM's own ``add_lora`` (``LRUCacheWorkerLoRAManager.add_adapter``: the config read
-    from ``path`` and checked, the name mapping, the cache's eviction and the activation), with one
-    step swapped: where vLLM reads the tensors back from the folder and copies them into pinned host
-    memory, the manager is handed the received tensors, left on the device they arrived on (an
-    adapter cache of ``max_cpu_loras`` small adapters). It saves the driver's ``add_lora`` and
-    ``remove_lora`` round trips through the engine core and a read of the folder; the folder stays,
-    for vLLM to load the adapter again after an eviction. False where this vLLM lacks the manager
-    this relies on: the driver then registers the folder through ``add_lora``."""
-    import inspect
-
+    from ``path`` and checked, the name mapping, the cache's eviction and the activation), with the
+    load of the tensors swapped: where vLLM reads them from the folder into pinned host memory, the
+    manager is handed the received tensors, left on the device they arrived on (an adapter cache
+    of ``max_cpu_loras`` small adapters). A host copy stays in :data:`RECEIVED` for vLLM to build
+    the adapter again after an eviction, so no tensors are written to disk. It saves the driver's
+    ``add_lora`` and ``remove_lora`` round trips through the engine core and the folder's write and
+    read. False where this vLLM lacks the manager this relies on: rank 0 then writes the tensors
+    into the folder and the driver registers it through ``add_lora``."""
+    from rollout_engines.weights.lora import to_host
     from vllm.lora.request import LoRARequest
 
     manager = getattr(worker.model_runner, "lora_manager", None)
     base: Any = getattr(manager, "_lora_model_cls", None)
     if manager is None or base is None or not hasattr(base, "from_lora_tensors") or not tensors:
         return False
-    accepted = inspect.signature(base.from_lora_tensors).parameters
-    device = str(next(iter(tensors.values())).device)
-
-    class Received(base):  # type: ignore[misc]
-        @classmethod
-        def from_local_checkpoint(cls, lora_dir: str, expected_lora_modules: Any, peft_helper: Any, **kwargs: Any) -> Any:
-            kwargs = {k: v for k, v in kwargs.items() if k in accepted and k != "device"}
-            return base.from_lora_tensors(tensors=dict(tensors), peft_helper=peft_helper, device=device, **kwargs)
-
-    manager._lora_model_cls = Received
+    if not getattr(base, "roe_received", False):
+        manager._lora_model_cls = _received_model_cls(base)
+    # a copy apart from what vLLM is handed (it scales the B tensors it is given in place)
+    on_host = all(t.device.type == "cpu" for t in tensors.values())
+    RECEIVED[lora_id] = {n: t.detach().clone() for n, t in tensors.items()} if on_host else to_host(tensors)
+    _PENDING[lora_id] = tensors
     try:
         manager.add_adapter(LoRARequest(lora_name=key, lora_int_id=lora_id, lora_path=path))
+    except BaseException:
+        RECEIVED.pop(lora_id, None)
+        raise
     finally:
-        manager._lora_model_cls = base
+        _PENDING.pop(lora_id, None)
     return True
 
 
@@ -230,9 +270,9 @@ class VllmLoras:
         request = LoRARequest(lora_name=key, lora_int_id=lora_id, lora_path=str(path))
         try:
             raise_worker_error(results, what)
-            if not (path / ADAPTER_WEIGHTS).is_file():
-                raise ManifestMismatch(f"{what}: no worker wrote the adapter folder")
             if not all(r.get("installed") for r in results):  # registered through vLLM's add_lora instead
+                if not (path / ADAPTER_WEIGHTS).is_file():
+                    raise ManifestMismatch(f"{what}: no worker wrote the adapter folder")
                 llm = self._engine.async_llm
                 try:
                     await self._engine._on_loop(lambda: llm.add_lora(request))
@@ -240,7 +280,7 @@ class VllmLoras:
                     raise ManifestMismatch(f"vLLM refused {what}: {exc}") from exc
         except BaseException:
             with contextlib.suppress(Exception):  # a worker may have installed it before another failed
-                await self._engine._rpc("roe_remove_lora", lora_id, timeout=manifest.timeout_s)
+                await self._engine._rpc("roe_remove_lora", [lora_id], timeout=manifest.timeout_s)
             shutil.rmtree(path, ignore_errors=True)
             raise
         self._engine._last_receive = LastReceive(
@@ -265,14 +305,18 @@ class VllmLoras:
     async def sweep(self) -> None:
         """Remove retired versions that no running request uses from vLLM, and their folders."""
         in_use = self._in_use()
-        llm = self._engine.async_llm
-        for old in [r for r in self._retired if id(r) not in in_use]:
+        gone = [r for r in self._retired if id(r) not in in_use]
+        if not gone:
+            return
+        for old in gone:
             self._retired.remove(old)
-            if llm is not None:
-                try:
-                    await self._engine._on_loop(lambda old=old: llm.remove_lora(old.request.lora_int_id))
-                except Exception:  # vLLM's LRU cache evicts it in time; the folder goes regardless
-                    logger.warning("vLLM could not remove LoRA '%s' v%d", old.name, old.version, exc_info=True)
+        if self._engine.async_llm is not None:
+            try:
+                await self._engine._rpc("roe_remove_lora", [r.request.lora_int_id for r in gone], timeout=60)
+            except Exception:  # vLLM's LRU cache evicts them in time; the folders go regardless
+                logger.warning("vLLM could not remove LoRA versions %s", [(r.name, r.version) for r in gone],
+                               exc_info=True)
+        for old in gone:
             shutil.rmtree(old.path, ignore_errors=True)
 
     def close(self) -> None:

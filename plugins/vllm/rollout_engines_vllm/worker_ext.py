@@ -275,11 +275,11 @@ class WorkerExtension:
     def roe_receive_lora(self, wire: dict[str, Any], path: str, key: str = "", lora_id: int = 0,
                          retire: list[int] | None = None) -> dict[str, Any]:
         """Receive a LoRA adapter push (``wire``: a manifest with ``lora`` set) through this worker's
-        receiver, leaving the model untouched; rank 0 writes its tensors into the folder ``path``
-        (the driver wrote its config there), then each worker registers the adapter with its vLLM
-        LoRA manager as ``key`` / ``lora_id`` from the received tensors
-        (:func:`.lora.worker_install_lora`; ``installed`` False: the driver registers it through
-        vLLM's ``add_lora``). First it removes the retired versions ``retire`` (vLLM ids no request
+        receiver, leaving the model untouched; each worker registers the adapter with its vLLM
+        LoRA manager as ``key`` / ``lora_id`` from the received tensors, with the config the driver
+        wrote into the folder ``path`` (:func:`.lora.worker_install_lora`). ``installed`` False:
+        rank 0 writes the tensors into that folder and the driver registers it through vLLM's
+        ``add_lora``. First it removes the retired versions ``retire`` (vLLM ids no request
         uses any more), whatever becomes of this push."""
         from rollout_engines.weights.lora import receive_lora, write_adapter_weights
 
@@ -297,13 +297,13 @@ class WorkerExtension:
             tensors = receive_lora(receiver, manifest, state["target"].expected_specs(), supported=worker_lora_modules(self),
                                    hint="vLLM has no LoRA layer for them in this model")
             t0 = time.perf_counter()
-            if int(getattr(self, "rank", 0)) == 0:
-                write_adapter_weights(path, tensors)
-            t1 = time.perf_counter()
             installed = bool(key) and worker_install_lora(self, tensors, key=key, lora_id=lora_id, path=path)
+            t1 = time.perf_counter()
+            if not installed and int(getattr(self, "rank", 0)) == 0:  # for the driver's add_lora
+                write_adapter_weights(path, tensors)
             t2 = time.perf_counter()
             timings = dict(receiver.last_timings)
-            timings.update(store=round(t1 - t0, 6), install=round(t2 - t1, 6),
+            timings.update(install=round(t1 - t0, 6), store=round(t2 - t1, 6),
                            total=round(timings.get("total", 0.0) + t2 - t0, 6))
             return {"ok": True, "version": manifest.version, "installed": installed, "timings": timings}
         except BaseException as exc:
@@ -311,11 +311,12 @@ class WorkerExtension:
                 logger.warning("LoRA receive failed in worker: %s", exc)
             return error_result(exc)
 
-    def roe_remove_lora(self, lora_id: int) -> None:
-        """Remove the adapter ``lora_id`` from this worker's vLLM LoRA manager (a no-op where absent)."""
+    def roe_remove_lora(self, lora_ids: list[int]) -> None:
+        """Remove the adapters ``lora_ids`` from this worker's vLLM LoRA manager, with the copies kept
+        for them (absent ones: no-op)."""
         from .lora import worker_remove_loras
 
-        worker_remove_loras(self, [lora_id])
+        worker_remove_loras(self, list(lora_ids))
 
     def roe_fp8_reloads(self) -> list[int] | None:
         """The FP8 updates this worker loaded through vLLM's ``reload_weights`` (each one's number of

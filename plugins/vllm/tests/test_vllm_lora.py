@@ -189,6 +189,23 @@ async def test_unload_restores_base_outputs_exactly(engine, sync):
     assert await tokens(engine, "x") != base
 
 
+async def test_evicted_adapter_is_rebuilt_from_what_was_received(engine, sync, reference):
+    """No tensors go to disk: each worker keeps a host copy of what it received, and vLLM builds
+    the adapter from it again after its cache dropped it (here: vLLM's own remove_lora, as an
+    eviction does), with the same outputs."""
+    spec, tensors = adapter("x", seed=3)
+    await sync.push_lora(spec, tensors, version=1)
+    loaded = engine._loras.active["x"]
+    assert sorted(os.listdir(loaded.path)) == ["adapter_config.json"]
+    assert await tokens(engine, "x") == reference(spec, tensors)
+    lora_id = loaded.request.lora_int_id
+    assert await engine._on_loop(lambda: engine.async_llm.remove_lora(lora_id))
+    assert lora_id not in await engine._on_loop(lambda: engine.async_llm.list_loras())
+    assert await tokens(engine, "x") == reference(spec, tensors)  # rebuilt (the B scaling applied once)
+    assert await tokens(engine, "x") == reference(spec, tensors)
+    assert lora_id in await engine._on_loop(lambda: engine.async_llm.list_loras())
+
+
 async def test_new_version_replaces_old_and_stale_is_refused(engine, sync, reference):
     spec, v1 = adapter("x", seed=1)
     _, v2 = adapter("x", seed=11)
