@@ -14,7 +14,7 @@ vLLM keys its adapter cache on the id and its prefix cache on the name and path,
 never share cached state.
 
 vLLM builds an adapter again whenever it is activated after an LRU eviction of its cache; each
-worker keeps a host copy of what it received (:data:`RECEIVED`) and answers that build from it, so
+worker keeps a copy of what it received (:data:`RECEIVED`) and answers that build from it, so
 the tensors never go to disk (where a vLLM lacks the manager this relies on, rank 0 writes them
 into the folder and the driver registers it through ``add_lora``). A retired version is removed
 from vLLM, its copies and its folder deleted, once no running request uses it: by the workers in
@@ -115,8 +115,9 @@ def worker_lora_modules(worker: Any) -> list[str]:
     return sorted(set(names))
 
 
-#: This worker's received adapters, by vLLM id: host copies of the tensors as received (PEFT names),
-#: from which vLLM builds an adapter again after its cache evicted it (in place of a folder read).
+#: This worker's received adapters, by vLLM id: copies of the tensors as received (PEFT names, on the
+#: device they arrived on), from which vLLM builds an adapter again after its cache evicted it (in
+#: place of a folder read).
 RECEIVED: dict[int, dict[str, torch.Tensor]] = {}
 
 
@@ -153,7 +154,7 @@ _PENDING: dict[int, dict[str, torch.Tensor]] = {}
 
 def worker_remove_loras(worker: Any, lora_ids: list[int]) -> None:
     """Remove the adapters ``lora_ids`` from this worker's vLLM LoRA manager (absent ones: no-op),
-    and the host copies kept for them."""
+    and the copies kept for them."""
     manager: Any = getattr(worker.model_runner, "lora_manager", None)
     for lora_id in lora_ids:
         if manager is not None:
@@ -169,12 +170,11 @@ def worker_install_lora(worker: Any, tensors: dict[str, torch.Tensor], *, key: s
     from ``path`` and checked, the name mapping, the cache's eviction and the activation), with the
     load of the tensors swapped: where vLLM reads them from the folder into pinned host memory, the
     manager is handed the received tensors, left on the device they arrived on (an adapter cache
-    of ``max_cpu_loras`` small adapters). A host copy stays in :data:`RECEIVED` for vLLM to build
-    the adapter again after an eviction, so no tensors are written to disk. It saves the driver's
+    of ``max_cpu_loras`` small adapters). A copy stays in :data:`RECEIVED` (same device) for vLLM
+    to build the adapter again after an eviction, so no tensors are written to disk. It saves the driver's
     ``add_lora`` and ``remove_lora`` round trips through the engine core and the folder's write and
     read. False where this vLLM lacks the manager this relies on: rank 0 then writes the tensors
     into the folder and the driver registers it through ``add_lora``."""
-    from rollout_engines.weights.lora import to_host
     from vllm.lora.request import LoRARequest
 
     manager = getattr(worker.model_runner, "lora_manager", None)
@@ -183,9 +183,9 @@ def worker_install_lora(worker: Any, tensors: dict[str, torch.Tensor], *, key: s
         return False
     if not getattr(base, "roe_received", False):
         manager._lora_model_cls = _received_model_cls(base)
-    # a copy apart from what vLLM is handed (it scales the B tensors it is given in place)
-    on_host = all(t.device.type == "cpu" for t in tensors.values())
-    RECEIVED[lora_id] = {n: t.detach().clone() for n, t in tensors.items()} if on_host else to_host(tensors)
+    # a copy apart from what vLLM is handed (it scales the B tensors it is given in place), on the
+    # same device: a copy to the host would wait for the GPU
+    RECEIVED[lora_id] = {n: t.detach().clone() for n, t in tensors.items()}
     _PENDING[lora_id] = tensors
     try:
         manager.add_adapter(LoRARequest(lora_name=key, lora_int_id=lora_id, lora_path=path))
