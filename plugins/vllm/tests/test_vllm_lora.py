@@ -333,3 +333,33 @@ class TestVllmLoraConformance(LoraTests):
     @classmethod
     def engine_config(cls, tiny_model):
         return EngineConfig(backend="vllm", model=str(tiny_model), dtype="float32", options={"enable_lora": True})
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 and not torch.cuda.is_available(),
+                    reason="tensor parallel 2 needs two CPU cores (or GPUs)")
+async def test_tensor_parallel_workers_each_install_the_adapter(tiny_model, reference):
+    """TP 2: each worker takes the whole adapter and registers it in its own vLLM LoRA manager (the
+    driver wrote the config both read); the sharded engine's outputs equal the merged reference,
+    a new version replaces the old in both, and an unload restores the base outputs."""
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("tensor parallel 2 needs two GPUs")
+    tp = await asyncio.to_thread(create_engine, "vllm", str(tiny_model), dtype="float32", tensor_parallel_size=2,
+                                 enable_sleep_mode=False, enable_lora=True, max_lora_rank=16, max_loras=2)
+    try:
+        base = await tokens(tp)
+        assert base == reference()
+        sync = await connect_weight_sync([tp], "gloo", timeout_s=60)
+        try:
+            spec, v1 = adapter("x", seed=21)
+            _, v2 = adapter("x", seed=22)
+            await sync.push_lora(spec, v1, version=1)
+            assert await tokens(tp, "x") == reference(spec, v1)
+            await sync.push_lora(spec, v2, version=2)
+            assert await tokens(tp, "x") == reference(spec, v2)
+            assert [f.rsplit("-", 1)[0] for f in folders(tp)] == ["x-v1", "x-v2"]  # v1 leaves at the next push
+        finally:
+            await sync.close()
+        await tp.unload_lora("x")
+        assert folders(tp) == [] and await tokens(tp) == base
+    finally:
+        await tp.close()
