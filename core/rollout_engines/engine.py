@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import inspect
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from .backend_kit import LoopThread
@@ -480,6 +481,18 @@ class Engine(EngineProtocol):
         if self._held_depth == 0:
             self._held_total_s += time.perf_counter() - self._held_since
 
+    @contextlib.contextmanager
+    def _update_hold(self) -> Iterator[None]:
+        """Around a weight update: held time where this backend's updates stop generation."""
+        if not self.updates_hold_generation:
+            yield
+            return
+        self._hold()
+        try:
+            yield
+        finally:
+            self._unhold()
+
     def _held_s(self) -> float:
         return self._held_total_s + (time.perf_counter() - self._held_since if self._held_depth else 0.0)
 
@@ -528,10 +541,7 @@ class Engine(EngineProtocol):
         hooks = get_registry().hooks
         hooks.before_weight_update(engine=self, manifest=manifest)
         start, error = time.perf_counter(), None
-        holds = self.updates_hold_generation
-        if holds:
-            self._hold()
-        try:
+        with self._update_hold():
             self._receiving = (manifest.version, time.monotonic(), manifest.timeout_s)
             try:
                 await self._receive_weights(manifest)
@@ -546,9 +556,6 @@ class Engine(EngineProtocol):
             self.weight_version = manifest.version
             self._weights_invalid = None
             await self._forget_cached_prefixes()
-        finally:
-            if holds:
-                self._unhold()
         return self.weight_version
 
     async def close_weight_transfer(self) -> None:
@@ -579,14 +586,11 @@ class Engine(EngineProtocol):
                 "and versions must increase (allow_rollback=True to go back)"
             )
         self._receiving = (manifest.version, time.monotonic(), manifest.timeout_s)
-        if self.updates_hold_generation:
-            self._hold()
         try:
-            await self._receive_lora(manifest)
+            with self._update_hold():
+                await self._receive_lora(manifest)
         finally:
             self._receiving = None
-            if self.updates_hold_generation:
-                self._unhold()
         self.loras[spec.name] = manifest.version
         return manifest.version
 

@@ -456,8 +456,6 @@ class ReceiveTimings(_Model):
     wait_s: float = Field(default=0.0, description="Waiting for buckets from the trainer.")
     check_s: float = Field(default=0.0, description="Checksums of the buckets.")
     apply_s: float = Field(default=0.0, description="Copies into the model.")
-    store_s: float = Field(default=0.0, description="Writing a received LoRA adapter to disk (where the engine "
-                           "reloads adapters from a folder).")
     install_s: float = Field(default=0.0, description="Registering a received LoRA adapter with the engine.")
     total_s: float = 0.0
 

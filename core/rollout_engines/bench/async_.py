@@ -133,7 +133,7 @@ class EngineSampler:
         self.wall_s = 0.0
         self.samples = 0
         self.supported: bool | None = None
-        self._paused_s: float | None = None  # the engine's info().paused_s at the last sample
+        self._held_s: float | None = None  # the engine's info().held_s (or paused_s) at the last sample
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
@@ -153,20 +153,20 @@ class EngineSampler:
             # requests taken by the worker (stepped, prefilled, or re-prefilled after a push)
             working = extra.get("running") or extra.get("running_rows") or extra.get("pending_rows")
             frozen = bool(extra.get("frozen")) or info.paused
-            paused = None
+            held = None
             held_s = info.held_s if info.held_s is not None else info.paused_s
             if held_s is not None:
                 # Time held since the last sample, as the engine counted it (paused, or applying an
                 # update that stops generation): a pause + push + resume can begin and end between
                 # two samples (this loop waits for the event loop), so the state at the sample
                 # alone would miss it.
-                paused = min(dt, max(0.0, held_s - self._paused_s)) if self._paused_s is not None else 0.0
-                self._paused_s = held_s
+                held = min(dt, max(0.0, held_s - self._held_s)) if self._held_s is not None else 0.0
+                self._held_s = held_s
             if self.outstanding() > 0:
                 if not frozen and not working:
                     self.idle_s += dt
-                elif paused is not None:
-                    self.idle_s += paused
+                elif held is not None:
+                    self.idle_s += held
                 elif frozen:
                     self.idle_s += dt
             if stopping:

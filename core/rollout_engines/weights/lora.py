@@ -248,26 +248,6 @@ def write_adapter_config(folder: str | Path, spec: LoraSpec, *, base_model: str 
     return file
 
 
-def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` copied to host memory, contiguous; from a GPU in one copy per dtype (one
-    synchronisation instead of one per tensor)."""
-    out: dict[str, torch.Tensor] = {}
-    groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
-    for name, tensor in tensors.items():
-        if tensor.device.type == "cpu":
-            out[name] = tensor.detach().contiguous()
-        else:
-            groups.setdefault((tensor.device, tensor.dtype), []).append(name)
-    for names in groups.values():
-        flat = torch.cat([tensors[n].detach().reshape(-1) for n in names]).to("cpu")
-        offset = 0
-        for n in names:
-            size = tensors[n].numel()
-            out[n] = flat[offset:offset + size].view(tensors[n].shape)
-            offset += size
-    return {n: out[n] for n in tensors}
-
-
 def write_adapter_weights(folder: str | Path, tensors: Mapping[str, torch.Tensor]) -> Path:
     """Write ``adapter_model.safetensors`` into the existing ``folder`` all at once (a temporary
     sibling file renamed into place, so a reader finds the whole file or none)."""
@@ -277,7 +257,7 @@ def write_adapter_weights(folder: str | Path, tensors: Mapping[str, torch.Tensor
     from safetensors.torch import save_file
 
     file = Path(folder) / ADAPTER_WEIGHTS
-    host = to_host(tensors)
+    host = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
     fd, tmp = tempfile.mkstemp(prefix=f".{ADAPTER_WEIGHTS}.", dir=file.parent)
     os.close(fd)
     try:
@@ -287,6 +267,12 @@ def write_adapter_weights(folder: str | Path, tensors: Mapping[str, torch.Tensor
         if os.path.exists(tmp):
             os.unlink(tmp)
     return file
+
+
+def with_install_time(timings: Mapping[str, float], seconds: float) -> dict[str, float]:
+    """A receiver's ``last_timings`` with ``seconds`` of installing the adapter added (``install``,
+    and to ``total``), as :class:`~rollout_engines.types.ReceiveTimings` reads them."""
+    return {**timings, "install": round(seconds, 6), "total": round(timings.get("total", 0.0) + seconds, 6)}
 
 
 # ---- test and benchmark adapters -------------------------------------------------------------------

@@ -115,9 +115,9 @@ def worker_lora_modules(worker: Any) -> list[str]:
     return sorted(set(names))
 
 
-#: This worker's received adapters, by vLLM id: copies of the tensors as received (PEFT names, on the
-#: device they arrived on), from which vLLM builds an adapter again after its cache evicted it (in
-#: place of a folder read).
+#: This worker's received adapters, by vLLM id: the tensors as received (PEFT names, on the device
+#: they arrived on), from which vLLM builds each adapter (at its push, and again after its cache
+#: evicted it) in place of a folder read.
 RECEIVED: dict[int, dict[str, torch.Tensor]] = {}
 
 
@@ -136,20 +136,12 @@ def _received_model_cls(base: Any) -> Any:
             tensors = RECEIVED.get(kwargs.get("lora_model_id"))  # type: ignore[arg-type]
             if tensors is None:
                 return super().from_local_checkpoint(lora_dir, expected_lora_modules, peft_helper=peft_helper, **kwargs)
-            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-            device = str(kwargs.pop("device", "cpu"))
-            pending = _PENDING.pop(kwargs.get("lora_model_id"), None)  # type: ignore[arg-type]
-            if pending is not None:  # the install of a push: the received tensors, on their device
-                tensors, device = pending, str(next(iter(pending.values())).device)
-            else:  # again after an eviction: copies (vLLM scales the B tensors it is given in place)
-                tensors = {n: t.clone() for n, t in tensors.items()}
-            return base.from_lora_tensors(tensors=dict(tensors), peft_helper=peft_helper, device=device, **kwargs)
+            kwargs = {k: v for k, v in kwargs.items() if k in accepted and k != "device"}
+            # copies (vLLM scales the B tensors it is given in place), where they are
+            return base.from_lora_tensors(tensors={n: t.clone() for n, t in tensors.items()}, peft_helper=peft_helper,
+                                          device=str(next(iter(tensors.values())).device), **kwargs)
 
     return ReceivedLoRAModel
-
-
-#: The received device tensors of the adapter being installed (one call), by vLLM id.
-_PENDING: dict[int, dict[str, torch.Tensor]] = {}
 
 
 def worker_remove_loras(worker: Any, lora_ids: list[int]) -> None:
@@ -169,9 +161,9 @@ def worker_install_lora(worker: Any, tensors: dict[str, torch.Tensor], *, key: s
     This is vLLM's own ``add_lora`` (``LRUCacheWorkerLoRAManager.add_adapter``: the config read
     from ``path`` and checked, the name mapping, the cache's eviction and the activation), with the
     load of the tensors swapped: where vLLM reads them from the folder into pinned host memory, the
-    manager is handed the received tensors, left on the device they arrived on (an adapter cache
-    of ``max_cpu_loras`` small adapters). A copy stays in :data:`RECEIVED` (same device) for vLLM
-    to build the adapter again after an eviction, so no tensors are written to disk. It saves the driver's
+    manager is handed copies of the received tensors, left on the device they arrived on (an
+    adapter cache of ``max_cpu_loras`` small adapters). The tensors stay in :data:`RECEIVED` for
+    vLLM to build the adapter again after an eviction, so none are written to disk. It saves the driver's
     ``add_lora`` and ``remove_lora`` round trips through the engine core and the folder's write and
     read. False where this vLLM lacks the manager this relies on: rank 0 then writes the tensors
     into the folder and the driver registers it through ``add_lora``."""
@@ -183,17 +175,12 @@ def worker_install_lora(worker: Any, tensors: dict[str, torch.Tensor], *, key: s
         return False
     if not getattr(base, "roe_received", False):
         manager._lora_model_cls = _received_model_cls(base)
-    # a copy apart from what vLLM is handed (it scales the B tensors it is given in place), on the
-    # same device: a copy to the host would wait for the GPU
-    RECEIVED[lora_id] = {n: t.detach().clone() for n, t in tensors.items()}
-    _PENDING[lora_id] = tensors
+    RECEIVED[lora_id] = tensors
     try:
         manager.add_adapter(LoRARequest(lora_name=key, lora_int_id=lora_id, lora_path=path))
     except BaseException:
         RECEIVED.pop(lora_id, None)
         raise
-    finally:
-        _PENDING.pop(lora_id, None)
     return True
 
 

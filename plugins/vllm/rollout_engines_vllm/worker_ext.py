@@ -281,7 +281,7 @@ class WorkerExtension:
         rank 0 writes the tensors into that folder and the driver registers it through vLLM's
         ``add_lora``. First it removes the retired versions ``retire`` (vLLM ids no request
         uses any more), whatever becomes of this push."""
-        from rollout_engines.weights.lora import receive_lora, write_adapter_weights
+        from rollout_engines.weights.lora import receive_lora, with_install_time, write_adapter_weights
 
         from .lora import worker_install_lora, worker_lora_modules, worker_remove_loras
 
@@ -298,13 +298,9 @@ class WorkerExtension:
                                    hint="vLLM has no LoRA layer for them in this model")
             t0 = time.perf_counter()
             installed = bool(key) and worker_install_lora(self, tensors, key=key, lora_id=lora_id, path=path)
-            t1 = time.perf_counter()
             if not installed and int(getattr(self, "rank", 0)) == 0:  # for the driver's add_lora
                 write_adapter_weights(path, tensors)
-            t2 = time.perf_counter()
-            timings = dict(receiver.last_timings)
-            timings.update(install=round(t1 - t0, 6), store=round(t2 - t1, 6),
-                           total=round(timings.get("total", 0.0) + t2 - t0, 6))
+            timings = with_install_time(receiver.last_timings, time.perf_counter() - t0)
             return {"ok": True, "version": manifest.version, "installed": installed, "timings": timings}
         except BaseException as exc:
             if not isinstance(exc, ManifestMismatch):

@@ -93,7 +93,7 @@ from ...types import (
     StreamDelta,
     TokenLogprob,
 )
-from ...weights.lora import receive_lora
+from ...weights.lora import receive_lora, with_install_time
 from ...weights.manifest import TensorSpec, TransportSpec, WeightManifest
 from ...weights.receiver import StateDictTarget, WeightReceiver
 from .generation import Batch, Row, make_rows, run_batch
@@ -1022,12 +1022,10 @@ class TransformersEngine(Engine):
         def receive() -> tuple[Adapter, dict[str, float]]:
             with self._receive_lock:
                 tensors = receive_lora(receiver, manifest, self._lora.base_specs())
-                timings = dict(receiver.last_timings)
+                timings = receiver.last_timings
             t0 = time.perf_counter()
             adapter = self._lora.build(spec.name, manifest.version, spec.scaling, tensors)
-            install = time.perf_counter() - t0
-            timings.update(install=round(install, 6), total=round(timings.get("total", 0.0) + install, 6))
-            return adapter, timings
+            return adapter, with_install_time(timings, time.perf_counter() - t0)
 
         adapter, timings = await run_in_thread(receive, name="roe-lora-receive")
         with self._cv:  # requests admitted from the next step on get this version
