@@ -91,12 +91,59 @@ def fix_cpu_no_lora_rows() -> bool:
     return True
 
 
+def _skipping_clean_resets(module: Any, clean: set[int]) -> None:
+    """Make ``module`` (a vLLM LoRA layer) skip zeroing an adapter slot that is all zeros already.
+
+    vLLM's ``activate_adapter`` zeroes the slot of every LoRA layer the adapter does not adapt, and
+    each ``set_lora`` zeroes the slot before it copies in: for a q/v adapter of a 16-layer model,
+    some 200 small fills per activation, most of them of slots no adapter ever wrote. ``clean``
+    holds the slots this layer's ``reset_lora`` zeroed and no ``set_lora`` wrote since; a reset of
+    one of them does nothing. A slot starts unknown, so it is zeroed at its first reset as before."""
+    reset, assign = module.reset_lora, module.set_lora
+
+    def reset_lora(index: int) -> None:
+        if index not in clean:
+            reset(index)
+            clean.add(index)
+
+    def set_lora(index: int, *args: Any, **kwargs: Any) -> Any:
+        clean.discard(index)
+        try:
+            return assign(index, *args, **kwargs)  # it calls reset_lora first: the one above
+        finally:
+            clean.discard(index)
+
+    module.reset_lora, module.set_lora = reset_lora, set_lora
+
+
 def worker_lora_setup(worker: Any) -> None:
-    """Prepare a worker for LoRA requests: on CPU, the fix above."""
+    """Prepare a worker for LoRA requests: on CPU, the fix above; on every device, LoRA layers
+    that skip zeroing slots that are zero (:func:`_skipping_clean_resets`). A wake-up forgets
+    which slots are zero (the memory of a level-2 sleep comes back undefined)."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         fix_cpu_no_lora_rows()
+    adapters = getattr(getattr(worker.model_runner, "lora_manager", None), "_adapter_manager", None)
+    modules = getattr(adapters, "modules", None)
+    if not isinstance(modules, dict) or getattr(worker, "roe_clean_slots", None) is not None:
+        return
+    slots: list[set[int]] = []
+    for module in modules.values():
+        if callable(getattr(module, "reset_lora", None)) and callable(getattr(module, "set_lora", None)):
+            slots.append(set())
+            _skipping_clean_resets(module, slots[-1])
+    worker.roe_clean_slots = slots
+    wake_up = getattr(worker, "wake_up", None)
+    if wake_up is None:
+        return
+
+    def forgetting_wake_up(*args: Any, **kwargs: Any) -> Any:
+        for clean in slots:
+            clean.clear()
+        return wake_up(*args, **kwargs)
+
+    worker.wake_up = forgetting_wake_up
 
 
 def worker_lora_modules(worker: Any) -> list[str]:
@@ -137,11 +184,32 @@ def _received_model_cls(base: Any) -> Any:
             if tensors is None:
                 return super().from_local_checkpoint(lora_dir, expected_lora_modules, peft_helper=peft_helper, **kwargs)
             kwargs = {k: v for k, v in kwargs.items() if k in accepted and k != "device"}
+            device = next(iter(tensors.values())).device
             # copies (vLLM scales the B tensors it is given in place), where they are
-            return base.from_lora_tensors(tensors={n: t.clone() for n, t in tensors.items()}, peft_helper=peft_helper,
-                                          device=str(next(iter(tensors.values())).device), **kwargs)
+            model = base.from_lora_tensors(tensors={n: t.clone() for n, t in tensors.items()}, peft_helper=peft_helper,
+                                           device=str(device), **kwargs)
+            return _device_first(model, device)
 
     return ReceivedLoRAModel
+
+
+#: The name of the empty leading layer :func:`_device_first` adds (no module is named so).
+DEVICE_PROBE = "roe.device-probe"
+
+
+def _device_first(model: Any, device: torch.device) -> Any:
+    """``model`` (a vLLM ``LoRAModel``) with an empty layer first in its ``loras``.
+
+    After packing, vLLM reads the adapter's device from its first layer's ``lora_a``; where that
+    layer is packed (``qkv_proj`` of a q/v adapter) it reads the first tensor of the list instead
+    and takes its ``str()``: a device sync and a formatted print in every build. Led by an empty
+    layer no module is named after, that read is the empty tensor's ``.device``; vLLM selects
+    layers by module name, so nothing else sees it."""
+    from vllm.lora.lora_weights import LoRALayerWeights
+
+    empty = torch.empty(0, device=device)
+    model.loras = {DEVICE_PROBE: LoRALayerWeights(DEVICE_PROBE, 1, 1, empty, empty.clone()), **model.loras}
+    return model
 
 
 def worker_remove_loras(worker: Any, lora_ids: list[int]) -> None:

@@ -173,6 +173,22 @@ async def test_two_adapters_coexist(engine, sync, reference):
     assert await tokens(engine, "x") == want_x
 
 
+async def test_slots_a_wide_adapter_wrote_are_zeroed_for_a_narrow_one(engine, sync, reference):
+    """The workers' LoRA layers skip zeroing adapter slots known to be zero (vLLM zeroes the slot
+    of every layer an adapter does not adapt): an adapter of every projection fills both slots,
+    leaves, and a q/v adapter taking each slot in turn gets no trace of it."""
+    wide, tw = adapter("wide", seed=4, rank=16, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"))
+    await sync.push_lora(wide, tw, version=1)
+    await sync.push_lora(wide, tw, version=2)  # the retired version keeps its slot until the next push
+    assert await tokens(engine, "wide") == reference(wide, tw)
+    assert await engine.unload_lora("wide")
+    for version, seed in ((1, 6), (2, 7), (3, 8)):
+        narrow, tn = adapter("narrow", seed=seed)
+        await sync.push_lora(narrow, tn, version=version)
+        assert await tokens(engine, "narrow") == reference(narrow, tn), f"version {version}"
+
+
 async def test_unload_restores_base_outputs_exactly(engine, sync):
     base = await tokens(engine)
     spec, tensors = adapter("x", seed=1)
