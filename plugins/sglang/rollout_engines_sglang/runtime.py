@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -66,6 +67,61 @@ def _stop(pids: set[int], grace_s: float = 5.0) -> set[int]:
             pass
     psutil.wait_procs(alive, timeout=grace_s)
     return {p.pid for p in procs}
+
+
+def _kill_trees(pids: set[int], timeout_s: float = 60.0) -> None:
+    """SIGKILL ``pids`` and their descendants, and wait up to ``timeout_s`` until they are gone
+    (what SGLang's shutdown does to every child of the process, here to these only)."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            procs.extend([proc, *proc.children(recursive=True)])
+        except psutil.NoSuchProcess:
+            continue
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=timeout_s)
+
+
+#: Held while a shutdown swaps SGLang's ``kill_process_tree`` (one engine's at a time).
+_SHUTDOWN_LOCK = threading.Lock()
+
+
+def shutdown_own_processes(engine: Any, own: set[int], module: Any) -> None:
+    """``engine.shutdown()`` (an ``sglang.Engine``), ending only ``own``, the processes it started.
+
+    SGLang's shutdown ends with ``kill_process_tree(os.getpid(), include_parent=False)``: every
+    child of the process, so also the schedulers of the other engines it hosts and whatever the
+    trainer started itself (data loader workers, another backend's workers). While it runs,
+    ``module.kill_process_tree`` (``module``: SGLang's ``sglang.srt.entrypoints.engine``) reads
+    that call as "this engine's processes". SGLang registered the shutdown to run at exit too;
+    done here, it is unregistered."""
+    import atexit
+
+    real = getattr(module, "kill_process_tree", None)
+
+    def own_only(parent_pid: int | None = None, include_parent: bool = True, skip_pid: int | None = None,
+                 wait_timeout: float | None = None) -> None:
+        if parent_pid in (None, os.getpid()) and not include_parent:
+            _kill_trees(own - {skip_pid} if skip_pid else own, wait_timeout or 60.0)
+        elif real is not None:
+            real(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
+
+    with _SHUTDOWN_LOCK:
+        if real is not None:
+            module.kill_process_tree = own_only
+        try:
+            engine.shutdown()
+        finally:
+            if real is not None:
+                module.kill_process_tree = real
+    atexit.unregister(engine.shutdown)
 
 
 class SglangCallFailed(RuntimeError):
@@ -187,6 +243,9 @@ class InProcessRuntime:
         except BaseException:
             self._loop.close()
             raise
+        #: The processes this engine started (its schedulers, detokenizer and theirs): what its
+        #: shutdown ends, leaving other engines' and the host's own children alone.
+        self.processes: set[int] = _descendants() - before
         sa = self._engine.server_args
         self.tp_size: int = int(sa.tp_size)
         self.tokenizer = self._engine.tokenizer_manager.tokenizer
@@ -367,7 +426,9 @@ class InProcessRuntime:
         return MultiprocessingSerializer.serialize(obj)
 
     def shutdown(self) -> None:
+        import sglang.srt.entrypoints.engine as sglang_engine
+
         try:
-            self._engine.shutdown()
+            shutdown_own_processes(self._engine, self.processes, sglang_engine)
         finally:
             self._loop.close()
