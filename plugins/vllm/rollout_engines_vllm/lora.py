@@ -98,8 +98,15 @@ def _skipping_clean_resets(module: Any, clean: set[int]) -> None:
     each ``set_lora`` zeroes the slot before it copies in: for a q/v adapter of a 16-layer model,
     some 200 small fills per activation, most of them of slots no adapter ever wrote. ``clean``
     holds the slots this layer's ``reset_lora`` zeroed and no ``set_lora`` wrote since; a reset of
-    one of them does nothing. A slot starts unknown, so it is zeroed at its first reset as before."""
+    one of them does nothing. A slot starts unknown, so it is zeroed at its first reset as before.
+    Where the layer's reset is vLLM's plain one (every slice's A and B zeroed), it is one
+    ``torch._foreach_zero_`` call."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
     reset, assign = module.reset_lora, module.set_lora
+    if getattr(type(module), "reset_lora", None) is BaseLinearLayerWithLoRA.reset_lora:
+        def reset(index: int) -> None:
+            torch._foreach_zero_([t[index] for t in (*module.lora_a_stacked, *module.lora_b_stacked)])
 
     def reset_lora(index: int) -> None:
         if index not in clean:
@@ -185,9 +192,10 @@ def _received_model_cls(base: Any) -> Any:
                 return super().from_local_checkpoint(lora_dir, expected_lora_modules, peft_helper=peft_helper, **kwargs)
             kwargs = {k: v for k, v in kwargs.items() if k in accepted and k != "device"}
             device = next(iter(tensors.values())).device
-            # copies (vLLM scales the B tensors it is given in place), where they are
-            model = base.from_lora_tensors(tensors={n: t.clone() for n, t in tensors.items()}, peft_helper=peft_helper,
-                                           device=str(device), **kwargs)
+            # vLLM scales the B tensors it is given in place (it only reads the A tensors): copies
+            # of those, where they are
+            given = {n: t if "lora_A" in n or "lora_embedding_A" in n else t.clone() for n, t in tensors.items()}
+            model = base.from_lora_tensors(tensors=given, peft_helper=peft_helper, device=str(device), **kwargs)
             return _device_first(model, device)
 
     return ReceivedLoRAModel
