@@ -129,7 +129,7 @@ def vllm(session: nox.Session) -> None:
 @_frees_disk
 def sglang(session: nox.Session) -> None:
     """The SGLang plugin without SGLang (it needs CUDA): translation, payloads, capability rules."""
-    _base(session, "-e", "plugins/sglang")
+    _base(session, "-e", "plugins/sglang", "pyzmq")  # pyzmq: SGLang's sockets, closed at shutdown
     _pytest(session, "plugins/sglang/tests")
 
 

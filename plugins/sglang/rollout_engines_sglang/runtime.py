@@ -124,6 +124,33 @@ def shutdown_own_processes(engine: Any, own: set[int], module: Any) -> None:
     atexit.unregister(engine.shutdown)
 
 
+async def _close_sockets(*owners: Any) -> int:
+    return close_zmq_contexts(*owners)
+
+
+def close_zmq_contexts(*owners: Any) -> int:
+    """Destroy, without waiting (linger 0), the ZeroMQ contexts of the sockets ``owners`` hold as
+    attributes; returns how many.
+
+    SGLang's shutdown leaves its tokenizer manager's sockets open. When the engine is garbage
+    collected later, pyzmq may finalise a socket first (closing it with ZeroMQ's default linger,
+    forever) and then its context, whose ``term()`` waits for that socket's unsent messages to a
+    scheduler that no longer exists: the collecting thread hangs wherever the collection happens
+    (on the H200, inside the next engine's start). Destroyed here first, nothing waits."""
+    try:
+        import zmq
+    except ImportError:  # no ZeroMQ, no sockets of it
+        return 0
+    contexts: dict[int, Any] = {}
+    for owner in owners:
+        for value in vars(owner).values() if owner is not None else ():
+            if isinstance(value, zmq.Socket) and not value.context.closed:
+                contexts[id(value.context)] = value.context
+    for context in contexts.values():
+        context.destroy(linger=0)
+    return len(contexts)
+
+
 class SglangCallFailed(RuntimeError):
     """SGLang answered a control call with ``success=False``."""
 
@@ -428,7 +455,11 @@ class InProcessRuntime:
     def shutdown(self) -> None:
         import sglang.srt.entrypoints.engine as sglang_engine
 
+        engine = self._engine
         try:
-            shutdown_own_processes(self._engine, self.processes, sglang_engine)
+            shutdown_own_processes(engine, self.processes, sglang_engine)
         finally:
-            self._loop.close()
+            try:  # on the loop that uses the sockets, which ZeroMQ requires
+                self._loop.submit(_close_sockets(engine, getattr(engine, "tokenizer_manager", None))).result(30)
+            finally:
+                self._loop.close()

@@ -77,3 +77,38 @@ def test_closing_one_engine_leaves_the_others_and_the_hosts_processes(fake_sglan
         for proc in (host, *(r._engine.scheduler for r in (a, b) if r is not None)):
             proc.kill()
             proc.wait(10)
+
+
+UNSENT = '''
+import gc, sys, types
+import zmq
+from rollout_engines_sglang.runtime import close_zmq_contexts
+
+manager = types.SimpleNamespace()  # as SGLang's tokenizer manager holds its sockets
+context = zmq.Context(2)
+manager.send_to_scheduler = context.socket(zmq.PUSH)
+manager.send_to_scheduler.connect(sys.argv[2])
+manager.send_to_scheduler.send(b"request")  # queued for a scheduler that is gone (nobody binds the endpoint)
+if sys.argv[1] == "close":
+    assert close_zmq_contexts(manager) == 1
+del context
+manager.send_to_scheduler = None  # collected later: the socket first (ZeroMQ's default linger: forever),
+gc.collect()  # then its context
+print("collected")
+'''
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_sockets_left_with_unsent_messages_do_not_hang_the_collector(tmp_path, close):
+    """Real ZeroMQ: a context collected after its socket with an unsent message waits forever
+    (what hung a test process on the H200 after an engine's close); destroyed by the runtime's
+    shutdown first, the collection returns. Bounded: the hang is cut after a few seconds."""
+    pytest.importorskip("zmq")
+    endpoint = f"ipc://{tmp_path / 'scheduler'}"
+    cmd = [sys.executable, "-c", UNSENT, "close" if close else "leave", endpoint]
+    if close:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == "collected", out.stderr
+    else:
+        with pytest.raises(subprocess.TimeoutExpired):
+            subprocess.run(cmd, capture_output=True, text=True, timeout=5)
