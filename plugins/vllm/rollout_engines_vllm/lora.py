@@ -6,7 +6,7 @@ on each worker's receiver). Each worker checks the manifest against the base mod
 names and the layers vLLM can adapt before it takes any bucket; a refused adapter is drained (the
 session stays in step) and raises :class:`ManifestMismatch` with nothing installed. The driver
 prepares a folder in the engine's private temporary directory (mode 0700) with the adapter's
-``adapter_config.json``, and in the same call that received the adapter every worker registers it
+``adapter_config.json`` (once per config: versions with the same config share it), and in the same call that received the adapter every worker registers it
 with its vLLM LoRA manager from the received tensors (:func:`worker_install_lora`: vLLM's own
 ``add_lora`` with the tensors handed over instead of read from a folder) under a new
 ``lora_int_id`` and a new ``lora_name``. Only then does the driver retire the version it replaces.
@@ -17,7 +17,7 @@ vLLM builds an adapter again whenever it is activated after an LRU eviction of i
 worker keeps a copy of what it received (:data:`RECEIVED`) and answers that build from it, so
 the tensors never go to disk (where a vLLM lacks the manager this relies on, rank 0 writes them
 into the folder and the driver registers it through ``add_lora``). A retired version is removed
-from vLLM, its copies and its folder deleted, once no running request uses it: by the workers in
+from vLLM and its copies deleted (its folder too, once no version reads it), once no running request uses it: by the workers in
 the next push's call, or at an unload or close.
 
 On CPU, vLLM 0.32 adds the last adapter slot's delta to base-model requests batched with LoRA
@@ -28,6 +28,8 @@ registered.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import shutil
 import tempfile
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 from rollout_engines.errors import InvalidRequest, ManifestMismatch
 from rollout_engines.types import LastReceive, ReceiveTimings
-from rollout_engines.weights.lora import ADAPTER_WEIGHTS, write_adapter_config
+from rollout_engines.weights.lora import ADAPTER_WEIGHTS, peft_adapter_config, write_adapter_config
 from rollout_engines.weights.manifest import WeightManifest, manifest_to_wire
 
 logger = logging.getLogger("rollout_engines.vllm.lora")
@@ -284,6 +286,9 @@ class VllmLoras:
         self._retired: list[LoadedLora] = []
         self._next_id = 1
         self._ready = False
+        #: Versions share the folder of their config (only ``adapter_config.json`` is in it) until a
+        #: push is registered through the fallback, whose folders hold each version's weights.
+        self._shared_folders = True
 
     # -- selection (under the engine's request lock, so a retire sees every request that chose a version)
     def select(self, name: str) -> LoadedLora:
@@ -315,25 +320,24 @@ class VllmLoras:
         await self.setup()
         lora_id, self._next_id = self._next_id, self._next_id + 1
         key = f"{spec.name}-v{manifest.version}-{lora_id}"
-        path = self.root / key
+        path = self._folder(spec, key)
         what = f"LoRA '{spec.name}' v{manifest.version}"
         timeout = manifest.timeout_s * (len(manifest.buckets) + 2)
         # Retired versions no request uses: the workers remove them from vLLM in the same call.
         in_use = self._in_use()
         retire = [r for r in self._retired if id(r) not in in_use]
-        path.mkdir(mode=0o700)
-        write_adapter_config(path, spec, base_model=str(self._engine.config.model))  # every worker reads it
         t0 = time.perf_counter()
         results = await self._engine._rpc("roe_receive_lora", manifest_to_wire(manifest), str(path), key, lora_id,
                                           [r.request.lora_int_id for r in retire], timeout=timeout)
         rpc_s = time.perf_counter() - t0
         for gone in retire:
             self._retired.remove(gone)
-            shutil.rmtree(gone.path, ignore_errors=True)
+        self._drop_folders([r.path for r in retire], keep=path)
         request = LoRARequest(lora_name=key, lora_int_id=lora_id, lora_path=str(path))
         try:
             raise_worker_error(results, what)
             if not all(r.get("installed") for r in results):  # registered through vLLM's add_lora instead
+                self._shared_folders = False  # later versions: a folder each, for their weights
                 if not (path / ADAPTER_WEIGHTS).is_file():
                     raise ManifestMismatch(f"{what}: no worker wrote the adapter folder")
                 llm = self._engine.async_llm
@@ -344,7 +348,7 @@ class VllmLoras:
         except BaseException:
             with contextlib.suppress(Exception):  # a worker may have installed it before another failed
                 await self._engine._rpc("roe_remove_lora", [lora_id], timeout=manifest.timeout_s)
-            shutil.rmtree(path, ignore_errors=True)
+            self._drop_folders([path])
             raise
         self._engine._last_receive = LastReceive(
             version=manifest.version, rpc_s=round(rpc_s, 6),
@@ -379,8 +383,28 @@ class VllmLoras:
             except Exception:  # vLLM's LRU cache evicts them in time; the folders go regardless
                 logger.warning("vLLM could not remove LoRA versions %s", [(r.name, r.version) for r in gone],
                                exc_info=True)
-        for old in gone:
-            shutil.rmtree(old.path, ignore_errors=True)
+        self._drop_folders([r.path for r in gone])
+
+    def _folder(self, spec: Any, key: str) -> Path:
+        """The folder vLLM reads the version ``key`` of adapter ``spec`` from: its config's, shared
+        by the versions with the same config (vLLM tells versions apart by name and id, also in
+        its prefix cache), made once; with the fallback, one per version."""
+        config = peft_adapter_config(spec, str(self._engine.config.model))
+        if self._shared_folders:
+            digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+            path = self.root / f"{spec.name}-{digest}"
+        else:
+            path = self.root / key
+        if not path.is_dir():
+            path.mkdir(mode=0o700)
+            write_adapter_config(path, spec, config=config)  # every worker reads it
+        return path
+
+    def _drop_folders(self, paths: list[Path], keep: Path | None = None) -> None:
+        """Delete the folders ``paths`` that no loaded version (nor ``keep``) reads any more."""
+        used = {r.path for r in (*self.active.values(), *self._retired)} | ({keep} if keep else set())
+        for path in set(paths) - used:
+            shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
         self.active.clear()

@@ -235,28 +235,32 @@ async def test_new_version_replaces_old_and_stale_is_refused(engine, sync, refer
     assert caused_by(info.value, StaleVersion)
     assert engine.loras == {"x": 2}
     assert await tokens(engine, "x") == reference(spec, v2)
-    # The version a push retires leaves vLLM and the disk in the next push's call.
+    # The version a push retires leaves vLLM in the next push's call.
+    ids = [engine._loras.active["x"].request.lora_int_id]
     await sync.push_lora(spec, v1, version=3)
-    kept = folders(engine)
-    assert [f.rsplit("-", 1)[0] for f in kept] == ["x-v2", "x-v3"]
     assert await tokens(engine, "x") == reference(spec, v1)
+    ids.append(engine._loras.active["x"].request.lora_int_id)
     registered = await engine._on_loop(lambda: engine.async_llm.list_loras())
-    assert sorted(registered) == sorted(int(f.rsplit("-", 1)[1]) for f in kept)
+    assert sorted(registered) == sorted(ids)  # v2 (retired, removed at the next push) and v3
+    # Versions with one config share its folder, which holds the config alone.
+    assert folders(engine) == [engine._loras.active["x"].path.name]
+    assert os.listdir(engine._loras.active["x"].path) == ["adapter_config.json"]
 
 
 async def test_request_in_flight_keeps_its_version_across_a_push(engine, sync):
     """A push of version 2 while a request runs on version 1: that request finishes on version 1
-    (its vLLM adapter and folder stay until it ends), later requests get version 2."""
+    (its vLLM adapter stays until it ends), later requests get version 2."""
     spec, v1 = adapter("x", seed=1)
     _, v2 = adapter("x", seed=11)
     await sync.push_lora(spec, v1, version=1)
+    first = engine._loras.active["x"].request.lora_int_id
     long = request("x", max_tokens=200)
     solo_v1 = [c.token_ids for c in await engine.generate(long)]
     running = asyncio.ensure_future(engine.generate(long))
     while not engine._seqs:
         await asyncio.sleep(0.001)
     await sync.push_lora(spec, v2, version=2)
-    assert len(folders(engine)) == 2  # version 1 is still in use
+    assert first in await engine._on_loop(lambda: engine.async_llm.list_loras())  # version 1 is still in use
     outs = await running
     assert [c.token_ids for c in outs] == solo_v1
     assert {c.lora_version for c in outs} == {1}
@@ -372,7 +376,9 @@ async def test_tensor_parallel_workers_each_install_the_adapter(tiny_model, refe
             assert await tokens(tp, "x") == reference(spec, v1)
             await sync.push_lora(spec, v2, version=2)
             assert await tokens(tp, "x") == reference(spec, v2)
-            assert [f.rsplit("-", 1)[0] for f in folders(tp)] == ["x-v1", "x-v2"]  # v1 leaves at the next push
+            ids = [tp._loras.active["x"].request.lora_int_id, *(r.request.lora_int_id for r in tp._loras._retired)]
+            assert len(ids) == 2  # v1 leaves vLLM at the next push
+            assert sorted(await tp._on_loop(lambda: tp.async_llm.list_loras())) == sorted(ids)
         finally:
             await sync.close()
         await tp.unload_lora("x")
