@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -47,46 +48,30 @@ def _descendants() -> set[int]:
     return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
 
 
-def _stop(pids: set[int], grace_s: float = 5.0) -> set[int]:
-    """SIGTERM ``pids``, then SIGKILL what is left after ``grace_s``; returns those signalled."""
+def _stop(pids: set[int], grace_s: float = 5.0, *, tree: bool = False, kill_now: bool = False) -> set[int]:
+    """SIGTERM ``pids`` (and their descendants: ``tree``), then SIGKILL what is left after
+    ``grace_s``; ``kill_now``: SIGKILL at once (what SGLang's shutdown does) and wait up to
+    ``grace_s`` until they are gone. Returns those signalled."""
     import psutil
 
     procs = []
     for pid in pids:
         try:
             proc = psutil.Process(pid)
-            proc.send_signal(signal.SIGTERM)
-            procs.append(proc)
+            procs.extend([proc, *proc.children(recursive=True)] if tree else [proc])
         except psutil.NoSuchProcess:
             continue
-    _gone, alive = psutil.wait_procs(procs, timeout=grace_s)
+    alive = procs
+    if not kill_now:
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGTERM)
+        _gone, alive = psutil.wait_procs(procs, timeout=grace_s)
     for proc in alive:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(alive, timeout=grace_s)
     return {p.pid for p in procs}
-
-
-def _kill_trees(pids: set[int], timeout_s: float = 60.0) -> None:
-    """SIGKILL ``pids`` and their descendants, and wait up to ``timeout_s`` until they are gone
-    (what SGLang's shutdown does to every child of the process, here to these only)."""
-    import psutil
-
-    procs = []
-    for pid in pids:
-        try:
-            proc = psutil.Process(pid)
-            procs.extend([proc, *proc.children(recursive=True)])
-        except psutil.NoSuchProcess:
-            continue
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=timeout_s)
 
 
 #: Held while a shutdown swaps SGLang's ``kill_process_tree`` (one engine's at a time).
@@ -109,7 +94,7 @@ def shutdown_own_processes(engine: Any, own: set[int], module: Any) -> None:
     def own_only(parent_pid: int | None = None, include_parent: bool = True, skip_pid: int | None = None,
                  wait_timeout: float | None = None) -> None:
         if parent_pid in (None, os.getpid()) and not include_parent:
-            _kill_trees(own - {skip_pid} if skip_pid else own, wait_timeout or 60.0)
+            _stop(own - {skip_pid} if skip_pid else own, wait_timeout or 60.0, tree=True, kill_now=True)
         elif real is not None:
             real(parent_pid, include_parent=include_parent, skip_pid=skip_pid, wait_timeout=wait_timeout)
 
