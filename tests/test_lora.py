@@ -118,6 +118,35 @@ async def test_a_lora_push_leaves_the_base_delta_record_alone(engine, original):
         await reference.close()
 
 
+async def test_pushes_of_the_same_tensors_reuse_the_planned_layout(engine, original, monkeypatch):
+    """A session plans (lays out and validates) a manifest once per set of tensors: the next LoRA
+    push of tensors with the same names, dtypes and shapes reuses the layout with its own version
+    and adapter (here a new alpha, which the outputs show), and a full push gets its own."""
+    from rollout_engines.weights import session as session_module
+
+    planned: list[str] = []
+    real = session_module.plan_manifest
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        planned.append("lora" if kwargs.get("lora") is not None else "full")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session_module, "plan_manifest", counting)
+    spec, tensors = make_lora(original, "same-shape", rank=4, seed=21)
+    louder = spec.model_copy(update={"alpha": spec.alpha * 4})
+    async with await roe.connect_weight_sync([engine], transport="inproc") as sync:
+        await sync.push_lora(spec, tensors, version=1)
+        first = tokens(await engine.generate(request(spec.name)))
+        await sync.push_lora(louder, tensors, version=2)
+        second = await engine.generate(request(spec.name))
+        assert planned == ["lora"]  # the second push reused the first one's layout
+        assert {c.lora_version for c in second} == {2} and tokens(second) != first  # ... with its own spec
+        await sync.push(original, version=1)
+        await sync.push(original, version=2)
+        assert planned == ["lora", "full"]
+    assert tokens(await engine.generate(request(spec.name))) == tokens(second)  # base pushes keep the adapter
+
+
 # ---- batching: adapters per row ------------------------------------------------------------------
 async def test_one_batch_mixes_adapters_and_the_base_row_by_row(engine, original):
     for version, (name, seed) in enumerate((("mix-a", 1), ("mix-b", 2)), start=1):

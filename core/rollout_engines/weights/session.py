@@ -43,6 +43,7 @@ from .fp8 import Quantization
 from .manifest import (
     DEFAULT_BUCKET_BYTES,
     ChecksumKind,
+    DeltaSpec,
     TensorSpec,
     TransportSpec,
     WeightManifest,
@@ -228,26 +229,8 @@ class WeightSync:
                     delta = False
             plan = await asyncio.to_thread(tracker.plan, list(items), delta=bool(delta), partial=partial)
             items, specs = plan.items, None
-        if specs is None:
-            items = list(items)
-            key: tuple[Any, ...] = tuple((n, t.dtype, t.shape) for n, t in items)
-        else:
-            key = tuple((s.name, s.dtype, s.shape) for s in specs)
-        flags: dict[str, Any] = {"partial": partial, "allow_rollback": allow_rollback,
-                                 "delta": plan.spec if plan is not None else None}
-        if self._layout is not None and self._layout[0] == key:
-            # The same tensors as last time: the same layout, a new version (planning and
-            # validating a 300-tensor manifest costs milliseconds; this costs microseconds).
-            manifest = self._layout[1].model_copy(update={"version": version, "session_id": uuid.uuid4().hex, **flags})
-        else:
-            if specs is None:
-                specs = specs_of(items)  # type: ignore[arg-type]  # listed above
-            manifest = plan_manifest(
-                specs, version=version, bucket_bytes=self.bucket_bytes, transport=self.transport,
-                timeout_s=self.timeout_s, checksum=self.checksum, **flags,
-            )
-            self._layout = (key, manifest)
-            self._expected = {}
+        manifest, items = self._manifest(items, specs, version, partial=partial, allow_rollback=allow_rollback,
+                                         delta=plan.spec if plan is not None else None)
         plan_failed = await self._send(manifest, items)
         if plan_failed is not None and self._tracker is not None:
             self._tracker.invalidate()  # the engines' states are not known alike: the next push is full
@@ -281,15 +264,40 @@ class WeightSync:
         unable = [e.backend_name for e in self.engines if not e.capabilities.lora]
         if unable:  # before anything is sent: the session stays usable for full pushes
             raise CapabilityError(f"engine(s) {unable} of this weight sync cannot load LoRA adapters (capability 'lora')")
-        items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
-        manifest = plan_manifest(
-            specs_of(items), version=version, bucket_bytes=self.bucket_bytes, transport=self.transport,
-            timeout_s=self.timeout_s, checksum=self.checksum, allow_rollback=allow_rollback, lora=adapter,
-        )
+        manifest, items = self._manifest(tensors.items() if isinstance(tensors, Mapping) else tensors, None, version,
+                                         allow_rollback=allow_rollback, lora=adapter)
         self._raise_failures(version, await self._send(manifest, items), what=f"LoRA '{adapter.name}' ")
         logger.info("pushed LoRA '%s' v%d (rank %d): %.1f MB in %.3f s to %d engine(s)", adapter.name, version,
                     adapter.rank, manifest.total_bytes / 1e6, self.last_push_seconds, len(self.engines))
         return version
+
+    def _manifest(
+        self, items: Iterable[tuple[str, torch.Tensor]], specs: Sequence[TensorSpec] | None, version: int, *,
+        partial: bool = False, allow_rollback: bool = False, delta: DeltaSpec | None = None, lora: LoraSpec | None = None,
+    ) -> tuple[WeightManifest, Iterable[tuple[str, torch.Tensor]]]:
+        """The manifest of update ``version`` of ``items`` (described by ``specs``, or by the tensors
+        themselves), and the items (listed, where the tensors described them). The same tensors as
+        the last update (names, dtypes, shapes): the same layout with the new version and flags,
+        without planning and validating it again (milliseconds for a few hundred tensors, every
+        push; a copy costs microseconds)."""
+        if specs is None:
+            items = list(items)
+            key: tuple[Any, ...] = tuple((n, t.dtype, t.shape) for n, t in items)
+        else:
+            key = tuple((s.name, s.dtype, s.shape) for s in specs)
+        flags: dict[str, Any] = {"partial": partial, "allow_rollback": allow_rollback, "delta": delta, "lora": lora}
+        if self._layout is not None and self._layout[0] == key:
+            manifest = self._layout[1].model_copy(update={"version": version, "session_id": uuid.uuid4().hex, **flags})
+        else:
+            if specs is None:
+                specs = specs_of(items)  # type: ignore[arg-type]  # listed above
+            manifest = plan_manifest(
+                specs, version=version, bucket_bytes=self.bucket_bytes, transport=self.transport,
+                timeout_s=self.timeout_s, checksum=self.checksum, **flags,
+            )
+            self._layout = (key, manifest)
+            self._expected = {}
+        return manifest, items
 
     async def _send(
         self, manifest: WeightManifest, items: Iterable[tuple[str, torch.Tensor]],
