@@ -116,9 +116,8 @@ def _skipping_clean_resets(module: Any, clean: set[int]) -> None:
             clean.add(index)
 
     def set_lora(index: int, *args: Any, **kwargs: Any) -> Any:
-        clean.discard(index)
-        try:
-            return assign(index, *args, **kwargs)  # it calls reset_lora first: the one above
+        try:  # it calls reset_lora first, the one above: a slot known to be zero is not zeroed again
+            return assign(index, *args, **kwargs)
         finally:
             clean.discard(index)
 
