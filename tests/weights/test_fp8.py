@@ -11,6 +11,7 @@ import torch
 from rollout_engines.weights.fp8 import (
     FP8_MAX,
     QUANTIZATION_CONFIG,
+    Fp8Forms,
     dequantize_fp8_block,
     fp8_block_checkpoint,
     fp8_block_checkpoint_cached,
@@ -172,6 +173,22 @@ def test_spec_forms_of_an_fp8_checkpoint():
     assert fp8["model.layers.0.self_attn.q_proj.weight_scale_inv"].dtype == "float32"  # not the runtime dtype
     assert fp8["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (2, 2)
     assert fp8["model.norm.weight"].dtype == "bfloat16"
+
+
+def test_fp8_forms_pick_the_form_and_keep_weights_with_their_scales(tmp_path, tiny_model):
+    assert Fp8Forms.of_checkpoint(tiny_model, "bfloat16") is None  # not an FP8 checkpoint
+    forms = Fp8Forms.of_checkpoint(fp8_block_checkpoint(tiny_model, tmp_path / "fp8"), "bfloat16")
+    assert forms is not None
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert q in forms.quantized and "model.norm.weight" not in forms.quantized and len(forms.quantized) == 14
+    assert forms.specs_for(forms.bf16) is forms.bf16 and forms.specs_for(forms.fp8) is forms.fp8
+    assert forms.problems(forms.bf16) == [] and forms.problems(forms.fp8) == []
+    assert forms.problems([q, "model.norm.weight"]) == []  # BF16 form, partial: fine
+    assert forms.problems([q + "_scale_inv"]) == [f"'{q}_scale_inv' comes without '{q}'"]
+    # A partial FP8 push: each weight it carries needs its scales.
+    assert forms.problems([q, "model.layers.0.mlp.up_proj.weight_scale_inv", "model.layers.0.mlp.up_proj.weight"]) == [
+        f"'{q}' comes without its scales '{q}_scale_inv'"
+    ]
 
 
 def test_checkpoint_writer(tmp_path, tiny_model):

@@ -34,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from .checkpoint import atomic_directory
+from .checkpoint import atomic_directory, checkpoint_specs
 from .manifest import TensorSpec
 
 #: What ``WeightSync.push(quantize=...)`` and the engines' options name this format.
@@ -176,6 +176,43 @@ def is_fp8_form(names: Iterable[str]) -> bool:
     return any(n.endswith(SCALE_SUFFIX) for n in names)
 
 
+class Fp8Forms:
+    """What a push into an engine serving an FP8 block copy may carry, and the checks both forms
+    share (every backend's receiver uses this one): the BF16 form (the engine quantizes) or the
+    FP8 form (the trainer quantized, ``WeightSync.push(quantize="fp8_block")``), picked per push
+    by its tensor names (:func:`is_fp8_form`). ``fp8_specs``: the FP8 checkpoint's specs as
+    stored; ``runtime_dtype``: the engine's dtype for everything else."""
+
+    def __init__(self, fp8_specs: Mapping[str, TensorSpec], runtime_dtype: str) -> None:
+        self.bf16, self.fp8 = spec_forms(fp8_specs, runtime_dtype)
+        #: Names of the weights the engine holds in FP8.
+        self.quantized = frozenset(n.removesuffix(SCALE_SUFFIX) for n in self.fp8 if n.endswith(SCALE_SUFFIX))
+
+    def specs_for(self, names: Iterable[str]) -> dict[str, TensorSpec]:
+        """The form a push of tensors ``names`` is checked against."""
+        return self.fp8 if is_fp8_form(names) else self.bf16
+
+    def problems(self, names: Iterable[str]) -> list[str]:
+        """What is wrong with a push of ``names`` before anything is applied: in the FP8 form a
+        weight and its scales travel together (a weight without its scales, or scales without their
+        weight, would leave the engine with mismatched halves)."""
+        names = set(names)
+        if not is_fp8_form(names):
+            return []
+        out = [f"'{n}' comes without '{n.removesuffix(SCALE_SUFFIX)}'" for n in sorted(names)
+               if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) not in names]
+        out += [f"'{n}' comes without its scales '{n}{SCALE_SUFFIX}'" for n in sorted(names)
+                if n in self.quantized and n + SCALE_SUFFIX not in names]
+        return out
+
+    @classmethod
+    def of_checkpoint(cls, model_dir: str | Path, runtime_dtype: str) -> Fp8Forms | None:
+        """The forms of the checkpoint in ``model_dir`` if it is an FP8 block checkpoint, else None."""
+        if read_block_config(model_dir) is None:
+            return None
+        return cls(checkpoint_specs(model_dir), runtime_dtype)
+
+
 def read_block_config(model_dir: str | Path) -> tuple[int, int] | None:
     """The weight block size of an FP8 block checkpoint (its ``config.json``), or None."""
     config_file = Path(model_dir) / "config.json"
@@ -265,8 +302,27 @@ def fp8_block_checkpoint_cached(
         raise
 
 
+def served_checkpoint(model_dir: str | Path, weight_quantization: str) -> str:
+    """The checkpoint an engine loads for its option ``weight_quantization`` (every backend names
+    it so): ``model_dir`` itself for ``"none"``, its cached FP8 block copy for ``"fp8_block"``
+    (built on first use, :func:`fp8_block_checkpoint_cached`)."""
+    if weight_quantization == "none":
+        return str(model_dir)
+    if weight_quantization != "fp8_block":
+        raise ValueError(f"weight_quantization={weight_quantization!r}: use 'none' or 'fp8_block'")
+    import logging
+    import time
+
+    start = time.perf_counter()
+    path = fp8_block_checkpoint_cached(model_dir)
+    logging.getLogger("rollout_engines.fp8").info(
+        "serving the FP8 block copy %s of %s (%.1f s to find or build)", path, model_dir, time.perf_counter() - start
+    )
+    return str(path)
+
+
 __all__ = [
-    "BLOCK", "FP8_MAX", "QUANTIZATION_CONFIG", "Quantization", "dequantize_fp8_block", "fp8_block_checkpoint",
+    "BLOCK", "FP8_MAX", "Fp8Forms", "QUANTIZATION_CONFIG", "Quantization", "dequantize_fp8_block", "fp8_block_checkpoint",
     "fp8_block_checkpoint_cached", "is_fp8_form", "is_fp8_quantized", "quantize_fp8_block", "quantize_named",
-    "quantized_specs", "read_block_config", "scale_name", "scale_shape", "spec_forms",
+    "quantized_specs", "read_block_config", "scale_name", "served_checkpoint", "scale_shape", "spec_forms",
 ]

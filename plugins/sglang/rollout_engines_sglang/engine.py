@@ -76,7 +76,7 @@ import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rollout_engines.backend_kit import PrefixCacheTracker, check_continuations, validate_prompts
@@ -93,6 +93,7 @@ from rollout_engines.errors import (
 from rollout_engines.types import (
     MAX_LORA_RANK,
     Completion,
+    Diagnostics,
     EngineConfig,
     GenerateRequest,
     LastReceive,
@@ -106,6 +107,9 @@ from . import translate
 from .lora import DEFAULT_TARGETS, REFUSED_TARGETS, LoadedLora, SglangLoras
 from .plugin import ASYNC_RL_CAPABILITIES, DEFAULT_CAPABILITIES, INSTALL_HINT
 from .runtime import SglangLoraRuntime, SglangRuntime, SglangStreamingRuntime
+
+if TYPE_CHECKING:
+    from rollout_engines.weights.fp8 import Fp8Forms
 
 logger = logging.getLogger("rollout_engines.sglang")
 
@@ -154,6 +158,13 @@ class SglangOptions(BaseModel):
         "by direct copies (rollout_engines.weights.copy_plan, through the plugin's SGLang custom weight loader) "
         "instead of SGLang's per-tensor loaders.",
     )
+    weight_quantization: Literal["none", "fp8_block"] = Field(
+        default="none",
+        description="'fp8_block': serve an FP8 copy of the (BF16) checkpoint, e4m3 weights with 128x128 "
+        "block scales, built once and cached (rollout_engines.weights.fp8); pushes carry BF16 (quantized "
+        "by the host's relay before SGLang loads them; relayed transports only) or FP8 "
+        "(WeightSync.push(quantize='fp8_block'); every transport). Named as the vLLM backend's option.",
+    )
     enable_lora: bool = Field(default=False, description="Serve LoRA adapters (WeightSync.push_lora).")
     max_lora_rank: int = Field(default=16, ge=1, le=MAX_LORA_RANK, description="Largest adapter rank (SGLang's max_lora_rank).")
     max_loras: int = Field(
@@ -176,10 +187,12 @@ class SglangOptions(BaseModel):
         return v
 
 
-def server_kwargs(config: EngineConfig, opts: SglangOptions) -> dict[str, Any]:
-    """Keyword arguments of ``sglang.Engine`` for ``config`` (pure; SGLang validates them)."""
+def server_kwargs(config: EngineConfig, opts: SglangOptions, model_path: str | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``sglang.Engine`` for ``config`` (pure; SGLang validates them).
+    ``model_path``: the checkpoint SGLang loads when it is not ``config.model`` (the FP8 copy of
+    option ``weight_quantization``; SGLang reads its ``quantization_config``)."""
     kw: dict[str, Any] = {
-        "model_path": config.model,
+        "model_path": model_path or config.model,
         "tokenizer_path": config.tokenizer or config.model,
         "dtype": config.dtype,
         "random_seed": config.seed,
@@ -298,6 +311,7 @@ class SglangEngine(Engine):
         self._failed: str | None = None
         self._unguard: Callable[[], None] | None = None
         self._expected: dict[str, TensorSpec] | None = None
+        self._forms: Fp8Forms | None = None
         self._transfer: _Transfer | None = None
         # Requests submitted, and their count at the last prefix-cache flush: a push with nothing
         # generated since then has nothing cached to flush (SGLang's flush also empties torch's
@@ -344,7 +358,7 @@ class SglangEngine(Engine):
         changes = setup_device_env(
             "sglang", gpu_ids=self.options.gpu_ids, ray_bundle=ray_bundle, apply=False
         )
-        kwargs = server_kwargs(self.config, self.options)
+        kwargs = server_kwargs(self.config, self.options, self._served_model())
         self._unguard = guard_child_failure_signal(self._on_worker_failure)
         try:
             with launch_env(changes):
@@ -716,14 +730,67 @@ class SglangEngine(Engine):
     def weight_receivers(self) -> int:
         return 1
 
+    def _served_model(self) -> str:
+        """The checkpoint SGLang loads: the model, or its FP8 block copy (``weight_quantization``)."""
+        from rollout_engines.weights.fp8 import served_checkpoint
+
+        return served_checkpoint(self.config.model, self.options.weight_quantization)
+
+    def _runtime_dtype(self) -> str | None:
+        return None if self.config.dtype == "auto" else self.config.dtype
+
     def expected_specs(self) -> Mapping[str, TensorSpec]:
-        """What an update may carry: the checkpoint's tensors, in the engine's dtype."""
+        """What an update may carry: the checkpoint's tensors, in the engine's dtype (an FP8 engine:
+        those of the BF16 form, see :meth:`_specs_for`)."""
         if self._expected is None:
+            forms = self._fp8_forms()
+            if forms is not None:
+                self._expected = forms.bf16
+            else:
+                from .checkpoint import checkpoint_specs
+
+                self._expected = checkpoint_specs(self.config.model, self._runtime_dtype())
+        return self._expected
+
+    def _fp8_forms(self) -> Fp8Forms | None:
+        """The two forms a push into an FP8 engine may take (None for a BF16 engine)."""
+        if self.options.weight_quantization == "none":
+            return None
+        if self._forms is None:
+            from rollout_engines.weights.fp8 import Fp8Forms
+
             from .checkpoint import checkpoint_specs
 
-            dtype = None if self.config.dtype == "auto" else self.config.dtype
-            self._expected = checkpoint_specs(self.config.model, dtype)
-        return self._expected
+            # dtype 'auto': the BF16 checkpoint's own float dtype, as the BF16 engine expects.
+            dtype = self._runtime_dtype() or next(
+                (sp.dtype for sp in checkpoint_specs(self.config.model).values()
+                 if sp.dtype in ("bfloat16", "float16", "float32")), "bfloat16")
+            self._forms = Fp8Forms.of_checkpoint(self._served_model(), dtype)
+        return self._forms
+
+    def _specs_for(self, manifest: WeightManifest, *, relayed: bool) -> Mapping[str, TensorSpec]:
+        """What ``manifest`` is checked against. An FP8 engine takes the FP8 form (weights with their
+        scales) on every transport, and the BF16 form where the relay quantizes it (``relayed``);
+        raises ManifestMismatch for what it cannot take, before anything is applied."""
+        forms = self._fp8_forms()
+        if forms is None:
+            return self.expected_specs()
+        names = [t.name for t in manifest.tensors]
+        problems = forms.problems(names)
+        if problems:
+            raise ManifestMismatch(
+                f"weight update v{manifest.version} rejected before applying anything: " + "; ".join(problems[:5])
+                + ". An FP8 push sends every quantized weight with its block scales"
+            )
+        specs = forms.specs_for(names)
+        if specs is forms.bf16 and not relayed:
+            raise ManifestMismatch(
+                f"weight update v{manifest.version} rejected: this engine serves an FP8 block copy and SGLang "
+                f"loads a '{self._transfer.spec.transport if self._transfer else '?'}' push as sent, so BF16 "
+                "weights cannot be quantized on the way. Push with WeightSync.push(..., quantize='fp8_block'), "
+                "or over a relayed transport (" + ", ".join(RELAY_TRANSPORTS) + "), where the engine quantizes"
+            )
+        return specs
 
     def _invalidate(self, reason: str) -> None:
         """Mark the weights unusable: generation raises WeightsInvalidated until a complete push."""
@@ -775,7 +842,7 @@ class SglangEngine(Engine):
         assert control is not None
         reason = None
         try:
-            validate_manifest(manifest, self.expected_specs())
+            validate_manifest(manifest, self._specs_for(manifest, relayed=False))
         except ManifestMismatch as exc:
             reason = str(exc)
         await asyncio.to_thread(control.verdict, manifest, reason)
@@ -803,6 +870,7 @@ class SglangEngine(Engine):
         from rollout_engines.weights.transports.disk import update_dir
 
         assert t.receiver is not None
+        await self._select_specs(t, manifest, relayed=False)
         try:
             # Validation, every bucket file and its checksum, before SGLang reads a byte.
             await asyncio.to_thread(t.receiver.receive, manifest)
@@ -824,6 +892,7 @@ class SglangEngine(Engine):
         target = t.receiver.target
         assert isinstance(target, _RelayTarget)
         target.loop = asyncio.get_running_loop()
+        await self._select_specs(t, manifest, relayed=True)
         try:
             await asyncio.to_thread(t.receiver.receive, manifest)
         except WeightsInvalidated as exc:
@@ -833,6 +902,20 @@ class SglangEngine(Engine):
             target.release()
         # The host's receiver: 'apply' is staging plus SGLang's update_weights_from_tensor.
         self._last_receive = LastReceive(version=manifest.version, workers=[ReceiveTimings.of(t.receiver.last_timings)])
+
+    async def _select_specs(self, t: _Transfer, manifest: WeightManifest, *, relayed: bool) -> None:
+        """Set what the receiver's target checks ``manifest`` against; a push the engine cannot take
+        is drained (the session stays in step) and refused with nothing applied."""
+        assert t.receiver is not None
+        target = t.receiver.target
+        try:
+            target.specs = self._specs_for(manifest, relayed=relayed)
+        except ManifestMismatch as exc:
+            target.specs = self.expected_specs()
+            await asyncio.to_thread(t.receiver.receive_side, manifest, target, rejection=exc)
+            raise exc from None
+        # An FP8 engine sent the BF16 form: the relay quantizes it before SGLang loads it.
+        target.quantize = self._forms is not None and target.specs is self._forms.bf16
 
     async def _receive_lora(self, manifest: WeightManifest) -> None:
         """Receive an adapter through the weight transfer and load it into SGLang (:mod:`.lora`)."""
@@ -858,6 +941,18 @@ class SglangEngine(Engine):
     # ---- lifecycle -----------------------------------------------------------------------------
     async def health(self) -> bool:
         return not self._closed and self._failed is None
+
+    async def _diagnostics(self, fingerprint: bool) -> Diagnostics:
+        """Adds the platform and, asked for, SGLang's own weights checksum as the fingerprint
+        (``check_weights(action="checksum")``: a hash of every parameter of every TP rank, FP8
+        weights dequantized with their scales; it reads all the weights, so it costs a pass over
+        them). None where the runtime has no checksum."""
+        base = await super()._diagnostics(fingerprint)
+        update: dict[str, Any] = {"platform": "cuda"}
+        checksum = getattr(self.runtime, "weights_checksum", None)
+        if fingerprint and checksum is not None:
+            update["weights_fingerprint"] = await self._unless_failed(checksum())
+        return base.model_copy(update=update)
 
     def _extra_info(self) -> dict[str, Any]:
         return {
@@ -896,10 +991,12 @@ class _VerifyOnly:
     """A WeightTarget that checks and drops: for ``disk``, where SGLang reads the files itself."""
 
     def __init__(self, specs: Mapping[str, TensorSpec]) -> None:
-        self._specs = specs
+        #: What the next update is checked against (set per update, see SglangEngine._select_specs).
+        self.specs = specs
+        self.quantize = False
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
-        return self._specs
+        return self.specs
 
     def apply(self, named: Sequence[tuple[str, Any]], *, owned: bool) -> None:
         return None
@@ -918,17 +1015,30 @@ class _RelayTarget:
         self.device = torch.device(device)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._staging: Any = None
+        #: What the next update is checked against, and whether its BF16 weights are quantized to
+        #: the engine's FP8 block form here (set per update, see SglangEngine._select_specs).
+        self.specs: Mapping[str, TensorSpec] = engine.expected_specs()
+        self.quantize = False
         runtime = engine.runtime
         use_loader = engine.options.copy_plan and LOADER in runtime.weight_loaders
         self.load_format = LOADER if use_loader else "flattened_bucket"
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
-        return self.engine.expected_specs()
+        return self.specs
 
     def apply(self, named: Sequence[tuple[str, Any]], *, owned: bool) -> None:
         from .payloads import loader_payloads, serialize_per_rank, stage_views
 
         runtime = self.engine.runtime
+        if self.quantize:
+            # BF16 into an FP8 engine: SGLang's loaders would cast without scales. Quantized here on
+            # the relay's device into the checkpoint's form (weight + block scales), as the trainer
+            # would with quantize="fp8_block", so both forms load the same bits.
+            from rollout_engines.weights.fp8 import is_fp8_quantized, quantize_named
+
+            named = list(quantize_named(
+                (n, t.to(self.device, non_blocking=True) if is_fp8_quantized(n, t.shape) else t) for n, t in named
+            ))
         # Always staged: a bucket may be on the CPU, or a CUDA IPC import that torch will not
         # share again; the copy runs at device bandwidth.
         self._staging, flat, metadata = stage_views(named, self._staging, self.device)

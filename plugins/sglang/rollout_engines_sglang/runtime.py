@@ -333,6 +333,17 @@ class InProcessRuntime:
     async def flush_cache(self) -> None:
         _check(await self._call(self._tm.flush_cache()), "flush_cache")
 
+    async def weights_checksum(self) -> str:
+        """SGLang's checksum of the weights: ``TokenizerManager.check_weights(CheckWeightsReqInput(
+        action="checksum"))`` answers ``(success, message, ranks, per_engine_checksum)``, the last a
+        sha256 over every TP rank's hash of its parameters and buffers (FP8 weights dequantized with
+        their scales; python/sglang/srt/utils/weight_checker.py)."""
+        from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+        result = await self._call(self._tm.check_weights(CheckWeightsReqInput(action="checksum"), None))
+        _check(result, "check_weights")
+        return str(result[3])
+
     async def pause(self) -> None:
         await self.pause_mode("in_place")
 

@@ -75,6 +75,17 @@ class FakeSglangRuntime:
     def fingerprint(self) -> int:
         return int(self.weights["model.embed_tokens.weight"].double().abs().sum().item() * 1000) % 9973
 
+    async def weights_checksum(self) -> str:
+        """As SGLang's ``check_weights(action="checksum")``: a hash of every weight's bytes."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name in sorted(self.weights):
+            t = self.weights[name].contiguous()
+            h.update(name.encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.dtype.itemsize == 1 else t.numpy().tobytes())
+        return h.hexdigest()
+
     def lora_shift(self, name: str | None) -> int:
         """What adapter ``name`` adds to every token (0 for the base model)."""
         if name is None:

@@ -409,15 +409,11 @@ class VllmEngine(Engine):
         """The checkpoint vLLM loads: the model, or its FP8 block copy (``weight_quantization``)."""
         if self.options.weight_quantization == "none":
             return self.config.model
-        from rollout_engines.weights.fp8 import fp8_block_checkpoint_cached
+        from rollout_engines.weights.fp8 import served_checkpoint
 
         from .checkpoint import resolve_model_dir
 
-        start = time.perf_counter()
-        path = fp8_block_checkpoint_cached(resolve_model_dir(self.config.model))
-        logger.info("serving the FP8 block copy %s of %s (%.1f s to find or build)", path, self.config.model,
-                    time.perf_counter() - start)
-        return str(path)
+        return served_checkpoint(resolve_model_dir(self.config.model), self.options.weight_quantization)
 
     def engine_args(self) -> Any:
         """The ``vllm.AsyncEngineArgs`` this engine starts with."""

@@ -21,13 +21,7 @@ import torch
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
 from rollout_engines.proxy import WireError, raise_for_workers
 from rollout_engines.weights.copy_plan import PlannedLoader
-from rollout_engines.weights.fp8 import (
-    SCALE_SUFFIX,
-    is_fp8_form,
-    quantize_named,
-    read_block_config,
-    spec_forms,
-)
+from rollout_engines.weights.fp8 import SCALE_SUFFIX, Fp8Forms, is_fp8_form, quantize_named, read_block_config
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, manifest_from_wire
 from rollout_engines.weights.receiver import WeightReceiver
 
@@ -68,41 +62,34 @@ class VllmWeightTarget:
         #: An FP8 block engine (option ``weight_quantization``): pushes come in BF16 (quantized here)
         #: or already quantized; ``select`` picks the form a manifest is checked against.
         self.fp8: Any = None
-        self._forms: tuple[dict[str, TensorSpec], dict[str, TensorSpec]] | None = None
-        self._quantized: frozenset[str] = frozenset()  # the weights the engine holds in FP8
-        block = read_block_config(model_dir)
-        if block is None:
+        self._forms = Fp8Forms.of_checkpoint(model_dir, dtype)
+        if self._forms is None:
             self._specs = checkpoint_specs(model_dir, runtime_dtype=dtype)
         else:
-            self._forms = spec_forms(checkpoint_specs(model_dir), dtype)
-            self._specs = self._forms[0]
-            self._quantized = frozenset(n.removesuffix(SCALE_SUFFIX) for n in self._forms[1] if n.endswith(SCALE_SUFFIX))
+            self._specs = self._forms.bf16
             if not self.use_reload:
                 from .fp8_apply import Fp8BlockApplier
 
+                block = read_block_config(model_dir)
+                assert block is not None
                 self.fp8 = Fp8BlockApplier(worker, block, always_reload=fp8_reload)
 
     @property
     def quantized(self) -> frozenset[str]:
         """Names of the weights this engine holds in FP8 (empty unless it serves an FP8 copy)."""
-        return self._quantized
+        return self._forms.quantized if self._forms is not None else frozenset()
 
     def select(self, manifest: WeightManifest) -> None:
         """Check ``manifest`` against the form it comes in (FP8 engines: BF16, or FP8 with scales)."""
         if self._forms is not None:
-            self._specs = self._forms[1] if is_fp8_form(t.name for t in manifest.tensors) else self._forms[0]
+            self._specs = self._forms.specs_for(t.name for t in manifest.tensors)
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
         return self._specs
 
     def group_problems(self, manifest: WeightManifest) -> list[str]:
         names = {t.name for t in manifest.tensors}
-        problems = []
-        if self._forms is not None and is_fp8_form(names):  # a weight and its scales travel together
-            problems += [f"'{n}' comes without '{n.removesuffix(SCALE_SUFFIX)}'" for n in sorted(names)
-                         if n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) not in names]
-            problems += [f"'{n}' comes without its scales '{n}{SCALE_SUFFIX}'" for n in sorted(names)
-                         if n + SCALE_SUFFIX in self._specs and n + SCALE_SUFFIX not in names]
+        problems = self._forms.problems(names) if self._forms is not None else []
         if not self.use_reload:  # direct loading fills fused parameters slice by slice
             return problems
         return problems + incomplete_groups(names, self._specs, self.packed)
@@ -110,10 +97,11 @@ class VllmWeightTarget:
     def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
         if self.fp8 is not None:
             # Quantized layers: written (and quantized) straight into the running FP8 parameters.
-            quant = [(n, t) for n, t in named if n.removesuffix(SCALE_SUFFIX) in self._quantized]
+            quantized = self.quantized
+            quant = [(n, t) for n, t in named if n.removesuffix(SCALE_SUFFIX) in quantized]
             if quant:
                 self.fp8.apply(quant)
-                named = [(n, t) for n, t in named if n.removesuffix(SCALE_SUFFIX) not in self._quantized]
+                named = [(n, t) for n, t in named if n.removesuffix(SCALE_SUFFIX) not in quantized]
             if not named:
                 return
         elif self._forms is not None and not is_fp8_form(n for n, _ in named):

@@ -2,13 +2,9 @@
 copy of a BF16 checkpoint (option ``weight_quantization="fp8_block"``) next to one serving the BF16
 checkpoint.
 
-Tolerance: what FP8 alone does to these logprobs is computed here, from the same weights, in a
-float32 forward pass (transformers) with every projection's weights quantized to e4m3 in 128x128
-blocks and its inputs in 1x128 groups, as vLLM's block-FP8 linear layers do. The FP8 engine's
-teacher-forced prompt logprobs may differ from the BF16 engine's by at most 1.5x that mean gap
-(+0.02 nats for bf16 arithmetic) and 2x its largest (+0.1); a wrong scale or layout moves them by
-nats. On the 2-layer test model the simulation gives a mean of 0.154 nats (largest 0.550), and the
-engine measured 0.157 (0.648) on an H200 with vLLM 0.26.
+Tolerance: see :mod:`rollout_engines.testing.fp8` (FP8 alone, simulated in float32 on the same
+weights). On the 2-layer test model the simulation gives a mean of 0.154 nats (largest 0.550), and
+the engine measured 0.157 (0.648) on an H200 with vLLM 0.26.
 After a push of perturbed weights the FP8 engine follows the perturbed BF16 reference within the
 same kind of bound, and is nearer to it than to its own earlier state by a wide margin.
 
@@ -18,12 +14,18 @@ Without DeepGEMM's JIT headers (a stripped vLLM install) run with ``VLLM_USE_DEE
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 import pytest
 import torch
-from rollout_engines import GenerateRequest, SamplingParams, create_engine
+from rollout_engines import create_engine
 from rollout_engines.errors import ManifestMismatch
+from rollout_engines.testing.fp8 import (
+    build_fp8_test_model,
+    fp8_simulation_gap,
+    gap,
+    prompt_logprobs,
+    within_fp8_error,
+)
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
 from rollout_engines.weights.fp8 import dequantize_fp8_block, quantize_fp8_block
 from rollout_engines.weights.session import connect_weight_sync
@@ -33,10 +35,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.gpu, pytest.mark.timeout(1200)]
 if not torch.cuda.is_available():
     pytest.skip("FP8 block kernels need a CUDA GPU", allow_module_level=True)
 
-PROMPTS = [[(i * 37 + p * 101) % 4000 + 10 for i in range(96)] for p in range(4)]
-TEACHER_FORCED = GenerateRequest(
-    prompt_token_ids=PROMPTS, sampling=SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0),
-)
 COMMON = {"dtype": "bfloat16", "gpu_memory_utilization": 0.2, "enable_sleep_mode": False, "enforce_eager": True}
 
 
@@ -46,17 +44,7 @@ def run(coro):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A 2-layer Qwen3 of width 512 (head_dim 128, one KV head: every projection fills 128-row
-    blocks, as vLLM's FP8 block layers require), vocabulary 4096, spread-out logits."""
-    from rollout_engines.testing import shapes
-
-    shape = replace(shapes.SHAPES["qwen3-0.6b"], hidden=512, heads=4, kv_heads=1, intermediate=1024,
-                    vocab_size=4096, max_positions=2048, init_std=0.06)
-    shapes.SHAPES["fp8-test"] = shape
-    try:
-        return shapes.build_shape("fp8-test", tmp_path_factory.mktemp("fp8") / "model", layers=2, device="cuda")
-    finally:
-        del shapes.SHAPES["fp8-test"]
+    return build_fp8_test_model(tmp_path_factory.mktemp("fp8") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -78,53 +66,8 @@ def engines(model_dir):
     run(bf16.close())
 
 
-async def prompt_logprobs(engine) -> torch.Tensor:
-    out = await engine.generate(TEACHER_FORCED)
-    return torch.tensor([lp for c in out for lp in c.prompt_logprobs[1:]], dtype=torch.float64)
-
-
 async def fingerprint(engine):
     return (await engine.diagnostics(fingerprint=True)).weights_fingerprint
-
-
-def gap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    d = (a - b).abs()
-    return float(d.mean()), float(d.max())
-
-
-def fp8_simulation_gap(model_dir, weights, device="cuda") -> tuple[float, float]:
-    """Mean and largest |logprob| change that FP8 block quantization alone makes to the prompts'
-    teacher-forced logprobs, for ``weights`` (float32 arithmetic, so nothing else differs)."""
-    from rollout_engines.weights.fp8 import FP8_DTYPE, FP8_MAX, is_fp8_quantized
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
-
-    def logprobs() -> torch.Tensor:
-        out = []
-        with torch.no_grad():
-            for p in PROMPTS:
-                lsm = model(torch.tensor([p], device=device)).logits[0].float().log_softmax(-1)
-                out.append(lsm[:-1].gather(-1, torch.tensor(p[1:], device=device)[:, None])[:, 0])
-        return torch.cat(out).double().cpu()
-
-    def fp8_inputs(_module, args):  # e4m3 in 1x128 groups, one scale per group
-        x = args[0]
-        g = x.reshape(-1, x.shape[-1] // 128, 128)
-        scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
-        return ((g / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale).reshape(x.shape), *args[1:]
-
-    ref = logprobs()
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and is_fp8_quantized(f"{name}.weight", module.weight.shape):
-            module.weight.data.copy_(dequantize_fp8_block(*quantize_fp8_block(module.weight.data)))
-            module.register_forward_pre_hook(fp8_inputs)
-    return gap(logprobs(), ref)
-
-
-def within_fp8_error(measured: tuple[float, float], simulated: tuple[float, float]) -> bool:
-    return measured[0] <= 1.5 * simulated[0] + 0.02 and measured[1] <= 2 * simulated[1] + 0.1
 
 
 async def push(engine, tensors, **kw):
