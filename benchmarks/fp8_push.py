@@ -1,4 +1,5 @@
-"""BF16 pushes into a BF16 vLLM engine vs into an FP8 block engine (issue 19, item 3), in one run.
+"""BF16 pushes into a BF16 engine vs into an FP8 block engine (issue 19, item 3), in one run; any backend
+with the option ``weight_quantization`` (vLLM, SGLang: ``--backend sglang``).
 
     python benchmarks/fp8_push.py --model DIR --option gpu_memory_utilization=0.4 \\
         --option weight_apply_mode=inplace --checksum none --json
@@ -7,7 +8,8 @@ Three timings of the same weights from trainer tensors on the GPU (``cuda_ipc`` 
 
 - ``bf16``: BF16 tensors into an engine serving the BF16 checkpoint (the baseline);
 - ``fp8_receiver``: the same BF16 tensors into an engine serving the FP8 block copy
-  (``weight_quantization="fp8_block"``), quantized in its worker while loading;
+  (``weight_quantization="fp8_block"``), quantized by the engine (vLLM: in its workers while
+  loading; SGLang: by its relay before SGLang loads them);
 - ``fp8_sender``: into the FP8 engine, quantized by the trainer before sending
   (``push(quantize="fp8_block")``, on the trainer's GPU; the quantization is inside the timing).
 
