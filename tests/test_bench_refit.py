@@ -29,6 +29,8 @@ def test_bench_refit_cli(tiny_model):
     med = result["median_s"]
     assert med["refit"] == pytest.approx(med["wake_weights"] + med["push"] + med["wake_kv"], abs=1e-5)
     assert result["bytes"] > 0 and result["push_gbps"] > 0
+    phases = result["push_phases_median_s"]  # the engine's own account of each cycle's push
+    assert phases["push"] == pytest.approx(med["push"], abs=1e-5) and 0 < phases["worker_total"] <= phases["push"]
     assert result["verified"] is True and result["pushes_verified"] == [True, True]
 
 

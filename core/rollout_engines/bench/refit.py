@@ -56,9 +56,12 @@ def run(args: Any) -> dict[str, Any]:
     from ..errors import CapabilityError
     from ..types import GenerateRequest, SamplingParams
     from ..weights.session import connect_weight_sync
+    from .push import _phases
 
     bench = PushBench.start(args, checksum="none")
     engine, model = bench.engine, bench.model
+    #: Each cycle's push by phase (the engine's own account, as ``bench push`` reports it).
+    push_phases: list[dict[str, float]] = []
     cycles = max(1, int(arg(args, "cycles", 5)))
     level = int(arg(args, "level", 2))
     try:
@@ -102,6 +105,7 @@ def run(args: Any) -> dict[str, Any]:
                     await timed("sleep", row, engine.sleep(level=level))
                     await timed("wake_weights", row, engine.wake_up(tags=["weights"]))
                     await timed("push", row, sync.push(tensors, version=engine.weight_version + 1))
+                    push_phases.append(_phases(await engine.diagnostics(), row["push"]))  # untimed
                     await timed("wake_kv", row, engine.wake_up(tags=["kv_cache"]))
                     await timed("first_token", row, engine.generate(one_token))
                     row["refit"] = row["wake_weights"] + row["push"] + row["wake_kv"]
@@ -134,6 +138,9 @@ def run(args: Any) -> dict[str, Any]:
         "median_s": {p: round(statistics.median(r[p] for r in later), 6) for p in PHASES},
         "p90_s": {p: round(_p90([r[p] for r in later]), 6) for p in PHASES},
         "first_cycle_s": {p: round(rows[0][p], 6) for p in PHASES},
+        "push_phases_median_s": {
+            k: round(statistics.median(p[k] for p in (push_phases[1:] or push_phases)), 6) for k in push_phases[0]
+        },
         "push_gbps": round(weights.total_bytes / push_s / 1e9, 2),
         "best_push_gbps": round(weights.total_bytes / min(r["push"] for r in later) / 1e9, 2),
         "fingerprint": fingerprint.kind,
