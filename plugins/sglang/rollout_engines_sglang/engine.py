@@ -898,8 +898,6 @@ class SglangEngine(Engine):
         except WeightsInvalidated as exc:
             self._invalidate(str(exc))
             raise
-        finally:
-            target.release()
         # The host's receiver: 'apply' is staging plus SGLang's update_weights_from_tensor.
         self._last_receive = LastReceive(version=manifest.version, workers=[ReceiveTimings.of(t.receiver.last_timings)])
 
@@ -936,6 +934,8 @@ class SglangEngine(Engine):
             except Exception:  # the group may be gone with a failed trainer
                 logger.debug("destroy_weights_update_group failed", exc_info=True)
         if t.receiver is not None:
+            if isinstance(t.receiver.target, _RelayTarget):
+                t.receiver.target.release()
             await asyncio.to_thread(t.receiver.close)
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -1014,7 +1014,7 @@ class _RelayTarget:
         self.engine = engine
         self.device = torch.device(device)
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._staging: Any = None
+        self._stager: Any = None
         #: What the next update is checked against, and whether its BF16 weights are quantized to
         #: the engine's FP8 block form here (set per update, see SglangEngine._select_specs).
         self.specs: Mapping[str, TensorSpec] = engine.expected_specs()
@@ -1027,7 +1027,7 @@ class _RelayTarget:
         return self.specs
 
     def apply(self, named: Sequence[tuple[str, Any]], *, owned: bool) -> None:
-        from .payloads import loader_payloads, serialize_per_rank, stage_views
+        from .payloads import Stager, loader_payloads, serialize_per_rank
 
         runtime = self.engine.runtime
         if self.quantize:
@@ -1041,7 +1041,9 @@ class _RelayTarget:
             ))
         # Always staged: a bucket may be on the CPU, or a CUDA IPC import that torch will not
         # share again; the copy runs at device bandwidth.
-        self._staging, flat, metadata = stage_views(named, self._staging, self.device)
+        if self._stager is None:
+            self._stager = Stager(self.device)
+        flat, metadata = self._stager.stage(named)
         build = serialize_per_rank if self.load_format == "flattened_bucket" else loader_payloads
         payloads = build(flat, metadata, runtime.tp_size, runtime.serialize)
         assert self.loop is not None
@@ -1049,4 +1051,6 @@ class _RelayTarget:
         future.result()  # SGLang has loaded the bucket when this returns: the staging is free again
 
     def release(self) -> None:
-        self._staging = None
+        """Free the staging buffer (kept between pushes: the next push of the same layout reuses it
+        and its views)."""
+        self._stager = None

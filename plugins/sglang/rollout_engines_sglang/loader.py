@@ -21,6 +21,7 @@ This module is imported inside SGLang's scheduler processes: keep it to torch an
 
 from __future__ import annotations
 
+import functools
 import json
 import weakref
 from collections.abc import Iterable, Sequence
@@ -54,8 +55,10 @@ def bucket_name(entries: Iterable[BucketEntry]) -> str:
     return PREFIX + json.dumps(rows, separators=(",", ":"))
 
 
+@functools.lru_cache(maxsize=64)
 def parse_bucket_name(name: str) -> list[BucketEntry]:
-    """The entries :func:`bucket_name` wrote into ``name``."""
+    """The entries :func:`bucket_name` wrote into ``name`` (cached: every push of a layout sends the
+    same name; do not mutate the list)."""
     if not name.startswith(PREFIX):
         raise ValueError(f"not a bucket name (it starts with {name[:40]!r}, not {PREFIX!r})")
     try:

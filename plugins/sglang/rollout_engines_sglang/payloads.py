@@ -143,8 +143,45 @@ def stage_views(
     Used where the bucket cannot be handed over as it is (it lives on the CPU, or it is itself a
     CUDA IPC import, which torch refuses to share again). Returns ``(staging, flat, metadata)``:
     ``staging`` is the (possibly grown) buffer to reuse for the next bucket, ``flat`` the part
-    used.
+    used. :class:`Stager` does the same and keeps the views for the next bucket of that layout.
     """
+    staging, flat, dsts, metadata = _layout(named, staging, device)
+    _copy_in(dsts, named, device)
+    return staging, flat, metadata
+
+
+class Stager:
+    """:func:`stage_views` for a stream of buckets: one staging buffer on ``device``, kept across
+    buckets and pushes, and per bucket layout (names, dtypes, shapes) the views and SGLang
+    metadata built for it, so a push of the same layout (every step of an RL loop) only copies:
+    one multi-tensor copy per bucket instead of a copy, two views and a metadata object per
+    tensor (on an H200, ~1B model, 195 tensors: 3.5-5.4 ms per push staged one by one)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffer: torch.Tensor | None = None
+        self._layouts: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor], list[Any]]] = {}
+
+    def stage(self, named: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[Any]]:
+        """``(flat, metadata)`` of ``named`` copied into the staging buffer (valid until the next
+        call)."""
+        key = tuple((n, t.dtype, t.shape) for n, t in named)
+        known = self._layouts.get(key)
+        if known is None:
+            buffer, flat, dsts, metadata = _layout(named, self._buffer, self.device)
+            if buffer is not self._buffer:  # grown: the views of other layouts point at the old one
+                self._buffer, self._layouts = buffer, {}
+            known = self._layouts[key] = (flat, dsts, metadata)
+        flat, dsts, metadata = known
+        _copy_in(dsts, named, self.device)
+        return flat, metadata
+
+
+def _layout(
+    named: Sequence[tuple[str, torch.Tensor]], staging: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[Any]]:
+    """``(staging, flat, views, metadata)``: ``named`` laid out at aligned offsets in ``staging``
+    (allocated or grown as needed), one view per tensor and SGLang's metadata of the layout."""
     meta_cls, _ = tensor_bucket_classes()
     offsets, end = [], 0
     for _, t in named:
@@ -152,15 +189,20 @@ def stage_views(
         end = _align(end + t.numel() * t.element_size())
     if staging is None or staging.numel() < end or staging.device != device:
         staging = torch.empty(max(end, 1), dtype=torch.uint8, device=device)
-    metadata = []
+    dsts, metadata = [], []
     for (name, t), off in zip(named, offsets, strict=True):
         nbytes = t.numel() * t.element_size()
-        dst = staging[off : off + nbytes].view(t.dtype).view(t.shape)
-        dst.copy_(t, non_blocking=True)
+        dsts.append(staging[off : off + nbytes].view(t.dtype).view(t.shape))
         metadata.append(meta_cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=off, end_idx=off + nbytes, numel=nbytes))
+    return staging, staging[:end], dsts, metadata
+
+
+def _copy_in(dsts: list[torch.Tensor], named: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> None:
+    """One multi-tensor copy into the staging views, finished before SGLang's processes read them."""
+    if dsts:
+        torch._foreach_copy_(dsts, [t for _, t in named], non_blocking=True)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-    return staging, staging[:end], metadata
 
 
 def _align(n: int) -> int:
