@@ -153,8 +153,8 @@ class SglangOptions(BaseModel):
         "before its processes are stopped and the start fails with EngineUnavailable.",
     )
     copy_plan: bool = Field(
-        default=False,
-        description="(Not yet run on a GPU.) Relayed pushes: learn on the first push where each tensor lands and load later pushes "
+        default=True,
+        description="Relayed pushes: learn on the first push where each tensor lands and load later pushes "
         "by direct copies (rollout_engines.weights.copy_plan, through the plugin's SGLang custom weight loader) "
         "instead of SGLang's per-tensor loaders.",
     )

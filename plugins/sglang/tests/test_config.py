@@ -19,6 +19,7 @@ def test_config_fields_and_passthrough_options() -> None:
         "model_path": "/m", "tokenizer_path": "/m", "dtype": "float32", "random_seed": 7, "tp_size": 2,
         "enable_memory_saver": True, "log_level": "error", "context_length": 512, "base_gpu_id": 3,
         "mem_fraction_static": 0.4, "enable_deterministic_inference": True, "disable_cuda_graph": True,
+        "custom_weight_loader": [LOADER],  # copy_plan, on by default
     }
     assert capabilities_for(opts).seed is True
     # Plugin-only options never reach SGLang.
@@ -53,5 +54,6 @@ def test_copy_plan_adds_the_plugins_weight_loader_to_sglangs_own() -> None:
     assert server_kwargs(config, mine)["custom_weight_loader"] == ["my_pkg.load", LOADER]
     again = SglangOptions.model_validate({"custom_weight_loader": [LOADER], "copy_plan": True})
     assert server_kwargs(config, again)["custom_weight_loader"] == [LOADER]
-    off = SglangOptions.model_validate({})  # the default until the loader has run on a GPU
+    assert server_kwargs(config, SglangOptions())["custom_weight_loader"] == [LOADER]  # the default
+    off = SglangOptions.model_validate({"copy_plan": False})
     assert "custom_weight_loader" not in server_kwargs(config, off)

@@ -153,15 +153,18 @@ async def test_relayed_pushes_go_through_the_copy_plan_loader(tiny_model) -> Non
     assert last is not None and last.version == 2 and last.workers[0].apply_s > 0
 
 
-async def test_copy_plan_off_or_loader_missing_keeps_sglangs_flattened_bucket(tiny_model) -> None:
+async def test_copy_plan_is_the_default_off_or_loader_missing_keeps_sglangs_flattened_bucket(tiny_model) -> None:
     off, fake_off = make(tiny_model, weight_loaders=(LOADER,), copy_plan=False)
     missing, fake_missing = make(tiny_model, copy_plan=True)  # a runtime not started with the loader
-    default, fake_default = make(tiny_model, weight_loaders=(LOADER,))  # off until it has run on a GPU
+    default, fake_default = make(tiny_model, weight_loaders=(LOADER,))  # on by default
     new = perturbed(checkpoint(tiny_model), seed=5)
-    for engine, fake in ((off, fake_off), (missing, fake_missing), (default, fake_default)):
+    for engine, fake in ((off, fake_off), (missing, fake_missing)):
         assert await push(engine, new, version=1) == 1
         assert set(fake.load_formats) == {"flattened_bucket"}
         assert all(torch.equal(fake.weights[n], t) for n, t in new.items())
+    assert await push(default, new, version=1) == 1
+    assert set(fake_default.load_formats) == {LOADER}
+    assert all(torch.equal(fake_default.weights[n], t) for n, t in new.items())
 
 
 async def test_rejected_manifest_changes_nothing(tiny_model) -> None:
