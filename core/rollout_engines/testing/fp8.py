@@ -11,6 +11,7 @@ BF16 engine's by at most 1.5x that mean gap (+0.02 nats for bf16 arithmetic) and
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,11 @@ async def prompt_logprobs(engine: Any) -> torch.Tensor:
     return torch.tensor([lp for c in out for lp in c.prompt_logprobs[1:]], dtype=torch.float64)
 
 
+async def weights_fingerprint(engine: Any) -> Any:
+    """The engine's weights fingerprint (``diagnostics(fingerprint=True)``)."""
+    return (await engine.diagnostics(fingerprint=True)).weights_fingerprint
+
+
 def gap(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     """Mean and largest absolute difference."""
     d = (a - b).abs()
@@ -60,7 +66,7 @@ def fp8_simulation_gap(model_dir: str | Path, weights: dict[str, torch.Tensor], 
 
     from ..weights.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8_block, is_fp8_quantized, quantize_fp8_block
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()  # type: ignore[arg-type]
     model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
 
     def logprobs() -> torch.Tensor:
@@ -85,10 +91,40 @@ def fp8_simulation_gap(model_dir: str | Path, weights: dict[str, torch.Tensor], 
     return gap(logprobs(), ref)
 
 
+async def bf16_push_follows_the_reference(
+    bf16: Any, fp8: Any, push: Callable[[Any, dict[str, torch.Tensor]], Awaitable[Any]],
+    changed: dict[str, torch.Tensor], simulated: tuple[float, float],
+) -> tuple[torch.Tensor, Any, Any, torch.Tensor]:
+    """What every backend's FP8 test checks first: ``changed`` (BF16) pushed into the BF16 engine
+    moves its logprobs well beyond what FP8 explains, and pushed (BF16) into the FP8 engine it
+    advances the version, changes the fingerprint and makes the FP8 engine follow the BF16 one
+    within :func:`within_fp8_error` (and far nearer to it than the push moved it). ``push(engine,
+    tensors)`` is the test's push. Returns ``(fp8 logprobs before, fingerprint before, fingerprint
+    after, fp8 logprobs after)``."""
+    ref0 = await prompt_logprobs(bf16)
+    fp0, start = await prompt_logprobs(fp8), await weights_fingerprint(fp8)
+    assert start is not None, "the FP8 engine gives no weights fingerprint"
+    await push(bf16, changed)
+    ref1 = await prompt_logprobs(bf16)
+    moved = gap(ref1, ref0)[0]
+    assert moved > 4 * simulated[0], "the perturbation must move the logprobs more than FP8 does"
+    version = fp8.weight_version
+    await push(fp8, changed)
+    assert fp8.weight_version == version + 1
+    got = await prompt_logprobs(fp8)
+    measured = gap(got, ref1)
+    print(f"after a BF16 push: {fp8.backend_name} FP8 vs BF16 mean |d| {measured[0]:.4f}, max {measured[1]:.4f} "
+          f"(simulated {simulated[0]:.4f}, {simulated[1]:.4f}); the push moved {moved:.4f}")
+    assert within_fp8_error(measured, simulated) and measured[0] < 0.25 * moved
+    after = await weights_fingerprint(fp8)
+    assert after != start
+    return fp0, start, after, got
+
+
 def within_fp8_error(measured: tuple[float, float], simulated: tuple[float, float]) -> bool:
     """Whether a measured (mean, largest) gap is what FP8 explains (see the module docstring)."""
     return measured[0] <= 1.5 * simulated[0] + 0.02 and measured[1] <= 2 * simulated[1] + 0.1
 
 
-__all__ = ["PROMPTS", "TEACHER_FORCED", "build_fp8_test_model", "fp8_simulation_gap", "gap", "prompt_logprobs",
-           "within_fp8_error"]
+__all__ = ["PROMPTS", "TEACHER_FORCED", "bf16_push_follows_the_reference", "build_fp8_test_model", "fp8_simulation_gap", "gap", "prompt_logprobs",
+           "weights_fingerprint", "within_fp8_error"]

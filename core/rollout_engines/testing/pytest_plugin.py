@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,3 +120,30 @@ def tiny_model() -> Path:
     from .tiny_model import tiny_model_path
 
     return tiny_model_path()
+
+
+@pytest.fixture(scope="session")
+def fp8_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The FP8 tests' model (:func:`rollout_engines.testing.fp8.build_fp8_test_model`), built on the
+    GPU once per session."""
+    from .fp8 import build_fp8_test_model
+
+    return build_fp8_test_model(tmp_path_factory.mktemp("fp8") / "model")
+
+
+@pytest.fixture(scope="session")
+def fp8_original(fp8_model_dir: Path) -> dict[str, Any]:
+    """The FP8 test model's BF16 weights, on the GPU."""
+    import torch
+
+    from ..weights.checkpoint import load_checkpoint
+
+    return {k: v.cuda() for k, v in load_checkpoint(fp8_model_dir, dtype=torch.bfloat16).items()}
+
+
+@pytest.fixture(scope="session")
+def fp8_changed(fp8_original: dict[str, Any]) -> dict[str, Any]:
+    """:func:`fp8_original`, perturbed (seeded): different weights of the same model."""
+    from ..weights.checkpoint import perturbed
+
+    return perturbed(fp8_original, scale=0.5, seed=3)

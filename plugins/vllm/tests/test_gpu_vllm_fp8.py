@@ -20,13 +20,15 @@ import torch
 from rollout_engines import create_engine
 from rollout_engines.errors import ManifestMismatch
 from rollout_engines.testing.fp8 import (
-    build_fp8_test_model,
+    bf16_push_follows_the_reference,
     fp8_simulation_gap,
     gap,
     prompt_logprobs,
     within_fp8_error,
 )
-from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
+from rollout_engines.testing.fp8 import (
+    weights_fingerprint as fingerprint,
+)
 from rollout_engines.weights.fp8 import dequantize_fp8_block, quantize_fp8_block
 from rollout_engines.weights.session import connect_weight_sync
 
@@ -43,31 +45,12 @@ def run(coro):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_fp8_test_model(tmp_path_factory.mktemp("fp8") / "model")
-
-
-@pytest.fixture(scope="module")
-def original(model_dir):
-    return {k: v.cuda() for k, v in load_checkpoint(model_dir, dtype=torch.bfloat16).items()}
-
-
-@pytest.fixture(scope="module")
-def changed(original):
-    return perturbed(original, scale=0.5, seed=3)
-
-
-@pytest.fixture(scope="module")
-def engines(model_dir):
-    bf16 = create_engine("vllm", model=str(model_dir), **COMMON)
-    fp8 = create_engine("vllm", model=str(model_dir), weight_quantization="fp8_block", **COMMON)
+def engines(fp8_model_dir):
+    bf16 = create_engine("vllm", model=str(fp8_model_dir), **COMMON)
+    fp8 = create_engine("vllm", model=str(fp8_model_dir), weight_quantization="fp8_block", **COMMON)
     yield bf16, fp8
     run(fp8.close())
     run(bf16.close())
-
-
-async def fingerprint(engine):
-    return (await engine.diagnostics(fingerprint=True)).weights_fingerprint
 
 
 async def push(engine, tensors, **kw):
@@ -102,45 +85,29 @@ def test_triton_quantizer_matches_the_reference():
         assert bool((big_q[:128].view(torch.uint8) == 0).all())  # nothing written outside the view
 
 
-def test_fp8_engine_agrees_with_bf16(engines, model_dir, original):
+def test_fp8_engine_agrees_with_bf16(engines, fp8_model_dir, fp8_original):
     bf16, fp8 = engines
 
     async def go():
         return await prompt_logprobs(bf16), await prompt_logprobs(fp8)
 
     ref, got = run(go())
-    measured, simulated = gap(got, ref), fp8_simulation_gap(model_dir, original)
+    measured, simulated = gap(got, ref), fp8_simulation_gap(fp8_model_dir, fp8_original)
     print(f"FP8 vs BF16 prompt logprobs: mean |d| {measured[0]:.4f}, max {measured[1]:.4f} over {ref.numel()} "
           f"positions; FP8 quantization simulated in float32: mean {simulated[0]:.4f}, max {simulated[1]:.4f}")
     assert within_fp8_error(measured, simulated)
 
 
-def test_pushes_into_the_fp8_engine(engines, model_dir, original, changed):
+def test_pushes_into_the_fp8_engine(engines, fp8_model_dir, fp8_original, fp8_changed):
     bf16, fp8 = engines
-    simulated = fp8_simulation_gap(model_dir, changed)
+    simulated = fp8_simulation_gap(fp8_model_dir, fp8_changed)
 
     async def go():
-        ref0 = await prompt_logprobs(bf16)
-        fp0, start = await prompt_logprobs(fp8), await fingerprint(fp8)
-        await push(bf16, changed)
-        ref1 = await prompt_logprobs(bf16)
-        moved = gap(ref1, ref0)[0]
-        assert moved > 4 * simulated[0], "the perturbation must move the logprobs more than FP8 does"
-
-        # BF16 push, quantized in the engine's worker.
-        v = fp8.weight_version
-        await push(fp8, changed)
-        assert fp8.weight_version == v + 1
-        got = await prompt_logprobs(fp8)
-        measured = gap(got, ref1)
-        print(f"after a BF16 push: FP8 vs BF16 mean |d| {measured[0]:.4f}, max {measured[1]:.4f} (simulated "
-              f"{simulated[0]:.4f}, {simulated[1]:.4f}); the push moved {moved:.4f}")
-        assert within_fp8_error(measured, simulated) and measured[0] < 0.25 * moved
-        changed_print = await fingerprint(fp8)
-        assert changed_print != start
+        # BF16 push, quantized by the engine (its workers).
+        fp0, start, changed_print, got = await bf16_push_follows_the_reference(bf16, fp8, push, fp8_changed, simulated)
 
         # A bad push (one projection of the wrong shape) is refused with nothing applied.
-        bad = dict(changed)
+        bad = dict(fp8_changed)
         name = "model.layers.1.mlp.down_proj.weight"
         bad[name] = torch.zeros(bad[name].shape[0], bad[name].shape[1] + 1, dtype=torch.bfloat16, device="cuda")
         with pytest.raises(ManifestMismatch, match="shape"):
@@ -150,7 +117,7 @@ def test_pushes_into_the_fp8_engine(engines, model_dir, original, changed):
         # An FP8-form push without one weight's scales: refused too.
         from rollout_engines.weights.fp8 import quantize_named
 
-        fp8_form = dict(quantize_named(original.items()))
+        fp8_form = dict(quantize_named(fp8_original.items()))
         del fp8_form["model.layers.0.self_attn.q_proj.weight_scale_inv"]
         with pytest.raises(ManifestMismatch):
             await push(fp8, fp8_form, partial=True)
@@ -158,33 +125,33 @@ def test_pushes_into_the_fp8_engine(engines, model_dir, original, changed):
 
         # The originals, quantized by the trainer (the quantizer that built the FP8 copy): back to
         # exactly the start.
-        await push(fp8, original, quantize="fp8_block")
+        await push(fp8, fp8_original, quantize="fp8_block")
         assert await fingerprint(fp8) == start
         assert gap(await prompt_logprobs(fp8), fp0)[1] <= 1e-6
 
         # And the originals in BF16, quantized in the worker: the same weights but for rare
         # rounding differences of the GPU quantizer.
-        await push(fp8, changed)
-        await push(fp8, original)
+        await push(fp8, fp8_changed)
+        await push(fp8, fp8_original)
         assert gap(await prompt_logprobs(fp8), fp0)[0] <= 1e-3
 
     run(go())
 
 
-def test_reload_path_gives_the_same_weights(model_dir, original, changed):
+def test_reload_path_gives_the_same_weights(fp8_model_dir, fp8_original, fp8_changed):
     """Where the direct layout is not known (another kernel), pushes go through vLLM's
     reload_weights. Forced here by the engine option ``fp8_apply="reload"``; the worker reports each
     load through reload_weights; results equal the direct path's."""
-    engine = create_engine("vllm", model=str(model_dir), weight_quantization="fp8_block", fp8_apply="reload", **COMMON)
+    engine = create_engine("vllm", model=str(fp8_model_dir), weight_quantization="fp8_block", fp8_apply="reload", **COMMON)
 
     async def go():
         start, lp0 = await fingerprint(engine), await prompt_logprobs(engine)
-        await push(engine, changed, quantize="fp8_block")
+        await push(engine, fp8_changed, quantize="fp8_block")
         assert await fingerprint(engine) != start
-        await push(engine, original, quantize="fp8_block")
+        await push(engine, fp8_original, quantize="fp8_block")
         assert await fingerprint(engine) == start
         assert gap(await prompt_logprobs(engine), lp0)[1] <= 1e-6
-        await push(engine, changed)  # BF16, quantized by the worker before reload_weights
+        await push(engine, fp8_changed)  # BF16, quantized by the worker before reload_weights
         assert await fingerprint(engine) != start
         [reloads] = await engine._rpc("roe_fp8_reloads")
         assert len(reloads) == 3 and all(n == 2 * 7 for n in reloads)
