@@ -662,6 +662,11 @@ class SglangEngine(Engine):
     # ---- memory and scheduling ------------------------------------------------------------------
     async def _sleep(self, level: int, tags: Sequence[str]) -> None:
         self._cache.forget()  # memory released and restored: always flush afterwards
+        # The relay's staging buffer (a bucket's size, in this process) goes too: a colocated
+        # trainer sleeps the engine to have the memory.
+        t = self._transfer
+        if t is not None and isinstance(t.receiver.target if t.receiver else None, _RelayTarget):
+            t.receiver.target.release()
         await self.runtime.release_memory(list(tags))
 
     async def _wake_up(self, tags: Sequence[str]) -> None:

@@ -157,6 +157,9 @@ class Stager:
     one multi-tensor copy per bucket instead of a copy, two views and a metadata object per
     tensor (on an H200, ~1B model, 195 tensors: 3.5-5.4 ms per push staged one by one)."""
 
+    #: Layouts remembered at most (partial and delta pushes bring a new one each step).
+    MAX_LAYOUTS = 32
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffer: torch.Tensor | None = None
@@ -169,7 +172,8 @@ class Stager:
         known = self._layouts.get(key)
         if known is None:
             buffer, flat, dsts, metadata = _layout(named, self._buffer, self.device)
-            if buffer is not self._buffer:  # grown: the views of other layouts point at the old one
+            if buffer is not self._buffer or len(self._layouts) >= self.MAX_LAYOUTS:
+                # Grown (the views of other layouts point at the old buffer), or too many to keep.
                 self._buffer, self._layouts = buffer, {}
             known = self._layouts[key] = (flat, dsts, metadata)
         flat, dsts, metadata = known

@@ -105,6 +105,26 @@ async def test_sleeping_only_the_kv_cache_keeps_weights(tiny_model) -> None:
     assert [c.token_ids for c in await engine.generate(GREEDY)] == [c.token_ids for c in before]
 
 
+async def test_the_relays_staging_buffer_stays_between_pushes_and_goes_with_sleep(tiny_model) -> None:
+    engine, fake = make(tiny_model)
+    new = perturbed(checkpoint(tiny_model), seed=13)
+    sync = await connect_weight_sync([engine], "inproc")
+    try:
+        await sync.push(new, version=1)
+        target = engine._transfer.receiver.target
+        kept = target._stager
+        assert kept is not None  # kept for the next push of the same layout
+        await sync.push(checkpoint(tiny_model), version=2)
+        assert target._stager is kept
+        await engine.sleep()  # a colocated trainer wants that memory back
+        assert target._stager is None
+        await engine.wake_up()
+        await sync.push(new, version=3)
+        assert all(torch.equal(fake.weights[n], t) for n, t in new.items())
+    finally:
+        await sync.close()
+
+
 async def test_cpu_backup_keeps_weights_over_sleep(tiny_model) -> None:
     engine, _ = make(tiny_model, enable_weights_cpu_backup=True)
     before = await engine.generate(GREEDY)

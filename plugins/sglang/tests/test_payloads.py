@@ -181,6 +181,10 @@ def test_stager_keeps_the_buffer_and_the_views_of_a_layout() -> None:
     assert flat5.data_ptr() == flat4.data_ptr() and meta5 is not meta
     rebuilt = dict(FlattenedTensorBucket(flattened_tensor=flat5, metadata=meta5).reconstruct_tensors())
     assert all(torch.equal(rebuilt[n], t) for n, t in changed)
+    # Layouts are remembered up to a bound (each step of a delta push may bring a new one).
+    for k in range(3 * stager.MAX_LAYOUTS):
+        stager.stage([(f"t{k}", torch.zeros(4))])
+    assert len(stager._layouts) <= stager.MAX_LAYOUTS
 
 
 def _loader_views(blob: bytes) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
