@@ -664,9 +664,7 @@ class SglangEngine(Engine):
         self._cache.forget()  # memory released and restored: always flush afterwards
         # The relay's staging buffer (a bucket's size, in this process) goes too: a colocated
         # trainer sleeps the engine to have the memory.
-        t = self._transfer
-        if t is not None and isinstance(t.receiver.target if t.receiver else None, _RelayTarget):
-            t.receiver.target.release()
+        self._release_staging(self._transfer)
         await self.runtime.release_memory(list(tags))
 
     async def _wake_up(self, tags: Sequence[str]) -> None:
@@ -915,10 +913,19 @@ class SglangEngine(Engine):
             target.specs = self._specs_for(manifest, relayed=relayed)
         except ManifestMismatch as exc:
             target.specs = self.expected_specs()
+            # Drains the stream, so the session stays in step, and raises exc.
             await asyncio.to_thread(t.receiver.receive_side, manifest, target, rejection=exc)
-            raise exc from None
-        # An FP8 engine sent the BF16 form: the relay quantizes it before SGLang loads it.
-        target.quantize = self._forms is not None and target.specs is self._forms.bf16
+            raise
+
+    def _quantizes(self, specs: Mapping[str, TensorSpec]) -> bool:
+        """Whether a push checked against ``specs`` is the BF16 form sent to an FP8 engine, which the
+        relay quantizes before SGLang loads it."""
+        return self._forms is not None and specs is self._forms.bf16
+
+    @staticmethod
+    def _release_staging(t: _Transfer | None) -> None:
+        if t is not None and t.receiver is not None and isinstance(t.receiver.target, _RelayTarget):
+            t.receiver.target.release()
 
     async def _receive_lora(self, manifest: WeightManifest) -> None:
         """Receive an adapter through the weight transfer and load it into SGLang (:mod:`.lora`)."""
@@ -939,8 +946,7 @@ class SglangEngine(Engine):
             except Exception:  # the group may be gone with a failed trainer
                 logger.debug("destroy_weights_update_group failed", exc_info=True)
         if t.receiver is not None:
-            if isinstance(t.receiver.target, _RelayTarget):
-                t.receiver.target.release()
+            self._release_staging(t)
             await asyncio.to_thread(t.receiver.close)
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -998,7 +1004,6 @@ class _VerifyOnly:
     def __init__(self, specs: Mapping[str, TensorSpec]) -> None:
         #: What the next update is checked against (set per update, see SglangEngine._select_specs).
         self.specs = specs
-        self.quantize = False
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
         return self.specs
@@ -1020,10 +1025,8 @@ class _RelayTarget:
         self.device = torch.device(device)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stager: Any = None
-        #: What the next update is checked against, and whether its BF16 weights are quantized to
-        #: the engine's FP8 block form here (set per update, see SglangEngine._select_specs).
+        #: What the next update is checked against (set per update, see SglangEngine._select_specs).
         self.specs: Mapping[str, TensorSpec] = engine.expected_specs()
-        self.quantize = False
         runtime = engine.runtime
         use_loader = engine.options.copy_plan and LOADER in runtime.weight_loaders
         self.load_format = LOADER if use_loader else "flattened_bucket"
@@ -1035,7 +1038,7 @@ class _RelayTarget:
         from .payloads import Stager, loader_payloads, serialize_per_rank
 
         runtime = self.engine.runtime
-        if self.quantize:
+        if self.engine._quantizes(self.specs):
             # BF16 into an FP8 engine: SGLang's loaders would cast without scales. Quantized here on
             # the relay's device into the checkpoint's form (weight + block scales), as the trainer
             # would with quantize="fp8_block", so both forms load the same bits.
