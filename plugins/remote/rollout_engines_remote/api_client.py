@@ -18,6 +18,11 @@ from .protocol import error_from_payload, read_api_key_file
 logger = logging.getLogger("rollout_engines.remote.http")
 
 RETRY_STATUS = (502, 503, 504)
+#: Seconds an idle pooled connection is reused. Below the server's keep-alive timeout (uvicorn's and
+#: ``serve``'s default: 5 s; httpx's default expiry is the same 5 s), so the client never sends a
+#: request on a connection the server is closing at that moment (the request would fail with a
+#: ReadError, and a POST is not retried).
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 class ApiClient:
@@ -40,7 +45,8 @@ class ApiClient:
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self.retries, self.backoff_s = retries, backoff_s
-        self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                   keepalive_expiry=KEEPALIVE_EXPIRY_S)
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 

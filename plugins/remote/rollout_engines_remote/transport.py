@@ -37,6 +37,8 @@ from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 from rollout_engines.weights.transports.base import TransportSender
 from rollout_engines.weights.transports.inproc import InprocReceiver, InprocSender
 
+from .api_client import KEEPALIVE_EXPIRY_S
+
 if TYPE_CHECKING:
     from rollout_engines.engine import Engine
 
@@ -151,7 +153,8 @@ class HttpSender(TransportSender):
                 _endpoints_cv.wait(min(left, 1.0))
             self.endpoints = list(_endpoints[self.session_id])
         timeout = httpx.Timeout(self.timeout_s, connect=float(self.options.get("connect_timeout_s", 10.0)))
-        self._client = httpx.Client(timeout=timeout, limits=httpx.Limits(max_connections=4 * len(self.endpoints)))
+        self._client = httpx.Client(timeout=timeout, limits=httpx.Limits(
+            max_connections=4 * len(self.endpoints), keepalive_expiry=KEEPALIVE_EXPIRY_S))
         self._pool = cf.ThreadPoolExecutor(max_workers=2 * len(self.endpoints), thread_name_prefix="roe-http-send")
 
     def begin(self, manifest: WeightManifest) -> None:
