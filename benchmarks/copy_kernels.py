@@ -1,6 +1,7 @@
 """How fast a GPU copies a state dict into separate tensors, by method; one JSON line.
 
     python benchmarks/copy_kernels.py [--size-mb 3072] [--tensors 320] [--buckets 12]
+    python benchmarks/copy_kernels.py --shape qwen3-14b [--bucket-mb 2048]
 
 The limit under a receiver that copies into an engine's parameters: one flat copy of the same
 bytes (the ``bench weight-sync`` baseline), ``torch._foreach_copy_`` eager and replayed from a
@@ -9,6 +10,11 @@ tensor, the core's chunked Triton kernel (``rollout_engines.weights._chunk_copy`
 ``SteadyCopier`` with each of its kernels. ``bucketed``
 entries do the same per bucket (``--buckets`` graphs or launches in a row, as a receiver copies
 bucket by bucket). Best of 7, GB/s of payload; a method that fails reports its error.
+
+``--shape`` copies the bf16 tensors of a named model shape (:mod:`rollout_engines.testing.shapes`,
+Qwen2 form: what ``bench push --model`` moves for a checkpoint of that shape) in buckets of
+``--bucket-mb``, with the copier's kernels only: large tensors are where one multi-tensor copy
+and one memcpy per tensor differ.
 """
 
 from __future__ import annotations
@@ -86,12 +92,86 @@ def copier(kernel: str, buckets: Sequence[tuple[Tensors, Tensors]]) -> Callable[
     return lambda: [c.copy(d, s) for d, s in buckets] and None
 
 
+def measure(methods: dict[str, Callable[[], Callable[[], object]]], dst: Tensors, src: Tensors, nbytes: int,
+            out: dict[str, object]) -> None:
+    for name, make in methods.items():
+        try:
+            for t in dst:
+                t.zero_()
+            fn = make()
+            seconds = best_seconds(fn)
+            ok = all(torch.equal(a, b) for a, b in zip(dst, src, strict=True)) if name != "flat_copy" else True
+            out[name] = {"seconds": round(seconds, 6), "gbps": round(nbytes / seconds / 1e9, 1), "correct": ok}
+        except Exception as exc:  # report and go on: one method's failure is a result too
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
+def shape_main(name: str, bucket_mb: float) -> None:
+    """The tensors of a named shape, as slices of one flat buffer each side (256-byte aligned)."""
+    from rollout_engines.testing.shapes import SHAPES, tensor_shapes
+
+    dev = torch.device("cuda", 0)
+    shapes = [s for _, s in tensor_shapes(SHAPES[name], qwen3=False)]
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // 128) * 128  # 256 bytes of bf16
+    flat_src = torch.empty(end, dtype=torch.bfloat16, device=dev).normal_()
+    flat_dst = torch.empty(end, dtype=torch.bfloat16, device=dev)
+    src = [flat_src[o:o + n].view(s) for o, n, s in zip(offsets, sizes, shapes, strict=True)]
+    dst = [flat_dst[o:o + n].view(s) for o, n, s in zip(offsets, sizes, shapes, strict=True)]
+    limit = int(bucket_mb * 2**20)
+    buckets: list[tuple[Tensors, Tensors]] = []
+    start, used = 0, 0
+    for i, n in enumerate(sizes):
+        if used and used + 2 * n > limit:
+            buckets.append((dst[start:i], src[start:i]))
+            start, used = i, 0
+        used += 2 * n
+    buckets.append((dst[start:], src[start:]))
+
+    def hybrid(min_mb: float) -> Callable[[], None]:
+        from rollout_engines.weights.copies import SteadyCopier
+
+        c = SteadyCopier(kernel="hybrid")
+        c.memcpy_min_bytes = int(min_mb * 2**20)
+        for _ in range(2):
+            for d, s in buckets:
+                c.copy(d, s)
+        return lambda: [c.copy(d, s) for d, s in buckets] and None
+
+    def each(make: Callable[[Tensors, Tensors], Callable[[], object]]) -> Callable[[], None]:
+        runs = [make(d, s) for d, s in buckets]
+        return lambda: [r() for r in runs] and None
+
+    methods: dict[str, Callable[[], Callable[[], object]]] = {
+        "flat_copy": lambda: lambda: flat_dst.copy_(flat_src),
+        "per_tensor_eager": lambda: lambda: per_tensor(dst, src),
+        "bucketed_per_tensor_graph": lambda: each(lambda d, s: graph_of(lambda: per_tensor(d, s))),
+    }
+    for kernel in ("foreach", "streams"):
+        methods[f"copier_{kernel}_bucketed"] = lambda kernel=kernel: copier(kernel, buckets)
+    for min_mb in (4, 16, 64):
+        methods[f"copier_hybrid{min_mb}mb_bucketed"] = lambda m=min_mb: hybrid(m)
+    nbytes = 2 * sum(sizes)
+    out: dict[str, object] = {"shape": name, "bytes": nbytes, "tensors": len(sizes), "buckets": len(buckets),
+                              "device": torch.cuda.get_device_name(dev)}
+    measure(methods, dst, src, nbytes, out)
+    print(json.dumps(out))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size-mb", type=float, default=3072)
     parser.add_argument("--tensors", type=int, default=320)
     parser.add_argument("--buckets", type=int, default=12)
+    parser.add_argument("--shape", default=None, help="a named shape of rollout_engines.testing.shapes")
+    parser.add_argument("--bucket-mb", type=float, default=2048, help="bucket size with --shape")
     args = parser.parse_args()
+    if args.shape:
+        shape_main(args.shape, args.bucket_mb)
+        return
     dev = torch.device("cuda", 0)
     n = args.tensors
     per = int(args.size_mb * 2**20) // 4 // n // 4 * 4  # whole 16-byte words, as parameters are
@@ -127,16 +207,7 @@ def main() -> None:
     nbytes = n * per * 4
     out: dict[str, object] = {"bytes": nbytes, "tensors": n, "buckets": len(buckets),
                               "device": torch.cuda.get_device_name(dev)}
-    for name, make in methods.items():
-        try:
-            for t in dst:
-                t.zero_()
-            fn = make()
-            seconds = best_seconds(fn)
-            ok = all(torch.equal(a, b) for a, b in zip(dst, src, strict=True)) if name != "flat_copy" else True
-            out[name] = {"seconds": round(seconds, 6), "gbps": round(nbytes / seconds / 1e9, 1), "correct": ok}
-        except Exception as exc:  # report and go on: one method's failure is a result too
-            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    measure(methods, dst, src, nbytes, out)
     print(json.dumps(out))
 
 

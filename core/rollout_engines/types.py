@@ -458,6 +458,9 @@ class ReceiveTimings(_Model):
     apply_s: float = Field(default=0.0, description="Copies into the model.")
     install_s: float = Field(default=0.0, description="Registering a received LoRA adapter with the engine.")
     total_s: float = 0.0
+    gpu_s: float = Field(default=0.0, description="On the GPU, from the first copy's start to the last one's end "
+                         "(CUDA receivers with ROLLOUT_ENGINES_PUSH_TIMELINE=1; zero otherwise).")
+    gpu_busy_s: float = Field(default=0.0, description="On the GPU, the sum of each bucket's copies (same condition).")
 
     @classmethod
     def of(cls, timings: dict[str, float] | None) -> ReceiveTimings:

@@ -60,8 +60,12 @@ class SteadyCopier:
         self.use_graphs = graphs
         self.max_graphs = max_graphs
         #: What a graph replays: "chunks" (one chunked kernel, where it applies), "streams" (multi-
-        #: tensor copies on parallel streams) or "foreach" (one multi-tensor copy).
+        #: tensor copies on parallel streams), "hybrid" ("streams" with large tensors copied one
+        #: by one) or "foreach" (one multi-tensor copy).
         self.kernel = kernel or os.environ.get("ROLLOUT_ENGINES_COPY_KERNEL", "streams")
+        #: ``kernel="hybrid"``: tensors of at least this many bytes are copied one by one (a memcpy
+        #: each, at the flat-copy rate), smaller ones as multi-tensor copies ("streams").
+        self.memcpy_min_bytes = int(float(os.environ.get("ROLLOUT_ENGINES_MEMCPY_MIN_MB", "16")) * 2**20)
         self.replays = 0  # graph replays so far (tests and benchmarks read it)
         self.chunked = 0  # graphs captured with the chunked kernel
         # key (ids of every tensor) -> (fingerprint, graph or None when seen once so far, what the
@@ -114,7 +118,7 @@ class SteadyCopier:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 if table is not None:
                     _chunk_copy.launch(table)
-                elif self.kernel == "streams" and len(dsts) > 1:
+                elif self.kernel == "hybrid" or (self.kernel == "streams" and len(dsts) > 1):
                     self._foreach_on_streams(dsts, srcs)
                 else:
                     torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
@@ -140,11 +144,20 @@ class SteadyCopier:
             groups[k][0].append(dsts[i])
             groups[k][1].append(srcs[i])
             loads[k] += dsts[i].numel() * dsts[i].element_size()
+        big = self.memcpy_min_bytes if self.kernel == "hybrid" else None
         for stream, (d, s) in zip(self._streams, groups, strict=False):
             if d:
                 stream.wait_stream(cur)
                 with torch.cuda.stream(stream):
-                    torch._foreach_copy_(d, s, non_blocking=True)
+                    if big is None:
+                        torch._foreach_copy_(d, s, non_blocking=True)
+                        continue
+                    small = [i for i, t in enumerate(d) if t.numel() * t.element_size() < big]
+                    if small:
+                        torch._foreach_copy_([d[i] for i in small], [s[i] for i in small], non_blocking=True)
+                    for dst, src in zip(d, s, strict=True):
+                        if dst.numel() * dst.element_size() >= big:
+                            dst.copy_(src, non_blocking=True)  # contiguous, same dtype: a memcpy node
         for stream, (d, _) in zip(self._streams, groups, strict=False):
             if d:
                 cur.wait_stream(stream)

@@ -17,6 +17,7 @@ next update works.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Literal, Protocol
@@ -32,6 +33,11 @@ from .transports.base import TransportReceiver
 logger = logging.getLogger("rollout_engines.weights")
 
 ApplyMode = Literal["staged", "inplace"]
+
+#: Set to 1 in an engine's environment: CUDA receivers time their copies on the GPU (CUDA events
+#: around each bucket's apply) and report ``gpu`` (first copy started to last copy done) and
+#: ``gpu_busy`` (the sum over buckets) in their timings; ``gpu - gpu_busy`` is the GPU waiting.
+TIMELINE_ENV = "ROLLOUT_ENGINES_PUSH_TIMELINE"
 
 
 class WeightTarget(Protocol):
@@ -72,8 +78,10 @@ class WeightReceiver:
         self.transport: TransportReceiver | None = None
         self.version = 0
         #: Where the last update's time went (seconds): validate, wait (for buckets), check
-        #: (checksums), apply (copies into the model), total. Benchmarks report it.
+        #: (checksums), apply (copies into the model), total; with :data:`TIMELINE_ENV` also gpu
+        #: and gpu_busy. Benchmarks report it.
         self.last_timings: dict[str, float] = {}
+        self._timeline = self.device.type == "cuda" and os.environ.get(TIMELINE_ENV) == "1"
         self._validated: tuple[object, object, bool] | None = None
         #: The last complete state this receiver applied (version, fingerprints): what delta
         #: pushes are checked against (None: deltas are refused until a full push of a session
@@ -149,6 +157,7 @@ class WeightReceiver:
         staged: list[tuple[str, torch.Tensor]] = []
         applied_any = False
         ok = False
+        events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         try:
             for bucket in manifest.buckets:
                 t0 = clock()
@@ -176,10 +185,14 @@ class WeightReceiver:
                         views, rebuilt = sparse.feed(views, owned=owned)
                     if mode == "inplace":
                         applied_any = True
+                        if self._timeline:
+                            events.append(_record_start())
                         if views:
                             target.apply(views, owned=owned)
                         if rebuilt:
                             target.apply(rebuilt, owned=True)
+                        if self._timeline:
+                            events[-1][1].record()
                     else:
                         staged.extend(views)
                         staged.extend(rebuilt)
@@ -193,7 +206,11 @@ class WeightReceiver:
             if mode == "staged":
                 applied_any = True
                 t0 = clock()
+                if self._timeline:
+                    events.append(_record_start())
                 target.apply(staged, owned=True)
+                if self._timeline:
+                    events[-1][1].record()
                 spent["apply"] += clock() - t0
             ok = True
         except WeightSyncError as exc:
@@ -213,6 +230,10 @@ class WeightReceiver:
         finally:
             transport.end(manifest, ok)
         spent["total"] = clock() - start
+        if events:
+            events[-1][1].synchronize()
+            spent["gpu"] = events[0][0].elapsed_time(events[-1][1]) / 1e3
+            spent["gpu_busy"] = sum(a.elapsed_time(b) for a, b in events) / 1e3
         self.last_timings = {k: round(v, 6) for k, v in spent.items()}
 
     def _check_header(
@@ -246,6 +267,12 @@ class WeightReceiver:
                 self.transport.close()
             finally:
                 self.transport = None
+
+
+def _record_start() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    return start, end
 
 
 class StateDictTarget:
