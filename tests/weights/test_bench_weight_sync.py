@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,6 +30,15 @@ def test_shm_bench_reports_a_verified_ratio(extra):
     assert r["baseline_kind"] == "memcpy" and r["baseline"] > 0
     assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline"], abs=0.002)
     assert r["seconds"] == min(r["pushes"][1:]) and len(r["pushes"]) == 3
+
+
+def test_a_named_shape_pushes_that_models_bf16_tensors():
+    from rollout_engines.testing.shapes import SHAPES, tensor_shapes
+
+    r = _bench("--transport", "shm", "--shape", "tiny")
+    shapes = tensor_shapes(SHAPES["tiny"], qwen3=False)
+    assert r["shape"] == "tiny" and r["tensors"] == len(shapes) and r["verified"] is True
+    assert r["bytes"] == sum(2 * torch.Size(s).numel() for _, s in shapes)  # bf16
 
 
 def test_gloo_bench_to_two_receivers_compares_with_a_raw_broadcast():

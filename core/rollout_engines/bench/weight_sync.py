@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", default="shm", help="gloo, shm, disk, inproc, cuda_ipc, nccl, ...")
     parser.add_argument("--size-mb", type=float, default=1024.0, help="state dict size in MiB")
     parser.add_argument("--tensors", type=int, default=320)
+    parser.add_argument(
+        "--shape", default=None, metavar="NAME",
+        help="push the bf16 tensors of a named model shape (rollout_engines.testing.shapes, e.g. qwen3-14b; "
+        "Qwen2 form, as a checkpoint of that shape) instead of --size-mb / --tensors",
+    )
     parser.add_argument("--receivers", type=int, default=1, help="receiver processes")
     parser.add_argument("--bucket-mb", type=float, default=None,
                         help="bucket size in MiB (default: the transport's own default)")
@@ -237,6 +242,19 @@ def make_state(size_mb: float, tensors: int, device: torch.device) -> dict[str, 
     return out
 
 
+def make_shape_state(name: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors of the named shape (bf16, random, generated on ``device``), in checkpoint order."""
+    from ..testing.shapes import SHAPES, tensor_shapes
+
+    if name not in SHAPES:
+        raise SystemExit(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
+    gen = torch.Generator(device=device).manual_seed(0)
+    return {
+        n: torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+        for n, shape in tensor_shapes(SHAPES[name], qwen3=False)
+    }
+
+
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     from ..process import ProcessEngine
     from ..weights.manifest import specs_of
@@ -246,13 +264,15 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     gpu = args.transport in GPU_TRANSPORTS
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    state = make_state(args.size_mb, args.tensors, device)
+    state = make_shape_state(args.shape, device) if args.shape else make_state(args.size_mb, args.tensors, device)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     specs = [s.model_dump() for s in specs_of(list(state.items()))]
     result: dict[str, Any] = {
         "transport": args.transport, "bytes": nbytes, "tensors": len(state), "receivers": args.receivers,
         "bucket_mb": args.bucket_mb, "checksum": args.checksum, "threads": args.threads or torch.get_num_threads(),
     }
+    if args.shape:
+        result["shape"] = args.shape
     engines: list[EngineProtocol] = []
     servers = contextlib.ExitStack()
     if args.transport == "inproc":

@@ -73,6 +73,10 @@ class SteadyCopier:
         self._known: dict[tuple[int, ...], tuple[_Fingerprint, torch.cuda.CUDAGraph | None, object]] = {}
         self._streams: list[torch.cuda.Stream] = []
 
+    def forget(self) -> None:
+        """Drop every captured graph (the tensors they copy are going away)."""
+        self._known.clear()
+
     def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         if not dsts:
             return

@@ -202,6 +202,12 @@ class PlannedLoader:
     def __init__(self, plan: CopyPlan | None = None) -> None:
         self.plan = plan if plan is not None else CopyPlan()
 
+    def forget_sources(self) -> None:
+        """Drop the source views kept for the next update (and the copies captured over them): what
+        they view is about to be freed."""
+        self.plan._views.clear()
+        self.plan.copier.forget()
+
     def apply(
         self,
         named: Sequence[tuple[str, torch.Tensor]],

@@ -664,7 +664,7 @@ class SglangEngine(Engine):
         self._cache.forget()  # memory released and restored: always flush afterwards
         # The relay's staging buffer (a bucket's size, in this process) goes too: a colocated
         # trainer sleeps the engine to have the memory.
-        self._release_staging(self._transfer)
+        await self._release_staging(self._transfer)
         await self.runtime.release_memory(list(tags))
 
     async def _wake_up(self, tags: Sequence[str]) -> None:
@@ -923,9 +923,9 @@ class SglangEngine(Engine):
         return self._forms is not None and specs is self._forms.bf16
 
     @staticmethod
-    def _release_staging(t: _Transfer | None) -> None:
+    async def _release_staging(t: _Transfer | None) -> None:
         if t is not None and t.receiver is not None and isinstance(t.receiver.target, _RelayTarget):
-            t.receiver.target.release()
+            await t.receiver.target.release()
 
     async def _receive_lora(self, manifest: WeightManifest) -> None:
         """Receive an adapter through the weight transfer and load it into SGLang (:mod:`.lora`)."""
@@ -946,7 +946,7 @@ class SglangEngine(Engine):
             except Exception:  # the group may be gone with a failed trainer
                 logger.debug("destroy_weights_update_group failed", exc_info=True)
         if t.receiver is not None:
-            self._release_staging(t)
+            await self._release_staging(t)
             await asyncio.to_thread(t.receiver.close)
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -1030,6 +1030,7 @@ class _RelayTarget:
         runtime = engine.runtime
         use_loader = engine.options.copy_plan and LOADER in runtime.weight_loaders
         self.load_format = LOADER if use_loader else "flattened_bucket"
+        self._sent_buffer: Any = None  # the staging buffer SGLang's loader was last sent
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
         return self.specs
@@ -1052,13 +1053,36 @@ class _RelayTarget:
         if self._stager is None:
             self._stager = Stager(self.device)
         flat, metadata = self._stager.stage(named)
-        build = serialize_per_rank if self.load_format == "flattened_bucket" else loader_payloads
-        payloads = build(flat, metadata, runtime.tp_size, runtime.serialize)
+        if self.load_format == "flattened_bucket":
+            payloads = serialize_per_rank(flat, metadata, runtime.tp_size, runtime.serialize)
+        else:
+            # The loader keeps its imports of the buffer (see .loader); a new buffer (grown) makes
+            # it drop the old one's first.
+            renewed = self._stager.buffer is not self._sent_buffer
+            self._sent_buffer = self._stager.buffer
+            payloads = loader_payloads(flat, metadata, runtime.tp_size, runtime.serialize, forget_first=renewed)
         assert self.loop is not None
         future = asyncio.run_coroutine_threadsafe(runtime.update_from_tensor(payloads, self.load_format), self.loop)
         future.result()  # SGLang has loaded the bucket when this returns: the staging is free again
 
-    def release(self) -> None:
+    async def release(self) -> None:
         """Free the staging buffer (kept between pushes: the next push of the same layout reuses it
-        and its views)."""
-        self._stager = None
+        and its views). SGLang's loader first lets go of its imports of it, which would hold the
+        memory."""
+        stager, self._stager, self._sent_buffer = self._stager, None, None
+        buffer = stager.buffer if stager is not None else None
+        if buffer is None:
+            return
+        if self.load_format != "flattened_bucket":
+            from .payloads import forget_payloads
+
+            runtime = self.engine.runtime
+            try:
+                await runtime.update_from_tensor(forget_payloads(buffer, runtime.tp_size, runtime.serialize), self.load_format)
+            except Exception as exc:  # an engine failing or shutting down lets go of everything anyway
+                logger.warning("SGLang's loader did not let go of the staging buffer: %s", exc)
+        del stager, buffer
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.ipc_collect()  # blocks SGLang held are freed once it let go

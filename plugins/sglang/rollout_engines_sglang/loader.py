@@ -16,6 +16,13 @@ class of ours is pickled. The loader rebuilds the views and applies them through
 runs ``model.load_weights`` while recording where it lands, later pushes copy straight into the
 parameters; names the plan cannot replay go through ``load_weights`` every time.
 
+The relay stages every push into one buffer it keeps, so the same CUDA IPC buffer comes back push
+after push. The loader keeps the last imports of it alive: torch's IPC cache then hands back the
+same storage on the next push (no new mapping), and the views of a layout seen before are the same
+objects, which the plan's copies replay as a CUDA graph. A bucket named :data:`FORGET` drops what
+is kept for the model (the relay sends one before it frees its buffer, e.g. when the engine sleeps:
+a kept import would hold that memory).
+
 This module is imported inside SGLang's scheduler processes: keep it to torch and the core.
 """
 
@@ -36,6 +43,10 @@ from rollout_engines.weights.copy_plan import CopyPlan, PlannedLoader
 LOADER = "rollout_engines_sglang.loader.load_bucket"
 #: Start of a tensor name that carries a bucket's layout.
 PREFIX = "rollout_engines.bucket:"
+#: The tensor name that tells the loader to let go of the buffers it keeps (its tensor is ignored).
+FORGET = "rollout_engines.forget"
+#: Bucket imports kept per model at most (layouts of one buffer, e.g. a push in several buckets).
+MAX_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -80,25 +91,58 @@ def bucket_views(flat: torch.Tensor, entries: Sequence[BucketEntry]) -> list[tup
 _loaders: weakref.WeakKeyDictionary[Any, PlannedLoader] = weakref.WeakKeyDictionary()
 
 
+#: Per model: (storage address, offset, size, layout name) -> (the bucket tensor, its views).
+_kept: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, int, str], tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def planned_loader(model: Any) -> PlannedLoader:
     """The :class:`PlannedLoader` of ``model`` (created on first use)."""
     loader = _loaders.get(model)
     if loader is None:
-        # Every push brings new views (of a new CUDA IPC import): none is worth keeping, and kept
-        # ones would pin the sender's staging buffer until the next push.
-        loader = _loaders[model] = PlannedLoader(CopyPlan(reuse_views=False))
+        loader = _loaders[model] = PlannedLoader(CopyPlan())
     return loader
+
+
+def kept_views(model: Any, flat: torch.Tensor, name: str) -> list[tuple[str, torch.Tensor]]:
+    """The views of bucket ``flat`` laid out as ``name`` says: the ones built before where ``flat``
+    is the buffer of an earlier push (kept alive here, so its import is the same storage), else
+    new ones, kept for the next push."""
+    kept = _kept.setdefault(model, {})
+    key = (flat.untyped_storage().data_ptr(), int(flat.storage_offset()), flat.numel(), name)
+    hit = kept.get(key)
+    if hit is not None:
+        return hit[1]
+    views = bucket_views(flat, parse_bucket_name(name))
+    if len(kept) >= MAX_KEPT:
+        forget(model)
+        kept = _kept.setdefault(model, {})
+    kept[key] = (flat, views)
+    return views
+
+
+def forget(model: Any) -> None:
+    """Let go of every bucket import kept for ``model`` (and the copy plan's views of them)."""
+    _kept.pop(model, None)
+    loader = _loaders.get(model)
+    if loader is not None:
+        loader.forget_sources()
 
 
 def load_bucket(model: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     """SGLang's custom weight loader (``load_format=LOADER``): load the buckets in ``named_tensors``
-    (and any plain named tensors) into ``model``."""
+    (and any plain named tensors) into ``model``; a :data:`FORGET` entry drops what is kept."""
     named: list[tuple[str, torch.Tensor]] = []
     for name, tensor in named_tensors:
-        if name.startswith(PREFIX):
-            named += bucket_views(tensor, parse_bucket_name(name))
+        if name == FORGET:
+            forget(model)
+        elif name.startswith(PREFIX):
+            named += kept_views(model, tensor, name)
         else:
             named.append((name, tensor))
+    if not named:
+        return
 
     def load(items: list[tuple[str, torch.Tensor]]) -> None:
         model.load_weights(items)

@@ -39,7 +39,7 @@ import torch
 from rollout_engines.weights.buckets import torch_dtype
 from rollout_engines.weights.manifest import ALIGN, DTYPE_SIZES, TensorPlacement
 
-from .loader import BucketEntry, bucket_name
+from .loader import FORGET, BucketEntry, bucket_name
 
 Serializer = Callable[[Any], bytes]
 
@@ -100,16 +100,34 @@ def serialize_per_rank(
 
 
 def loader_payloads(
-    flat: torch.Tensor, metadata: Sequence[Any], tp_size: int, serialize: Serializer | None = None
+    flat: torch.Tensor, metadata: Sequence[Any], tp_size: int, serialize: Serializer | None = None,
+    *, forget_first: bool = False,
 ) -> list[bytes]:
     """One serialized ``[(bucket_name, flat)]`` per TP rank, the form
     ``update_weights_from_tensor(load_format=LOADER)`` hands to :func:`.loader.load_bucket`
     (``metadata``: SGLang's flattened-bucket metadata of ``flat``, as :func:`stage_views` returns
-    it). Like :func:`serialize_per_rank`, the payloads reference ``flat``."""
-    name = bucket_name(
-        BucketEntry(m.name, m.dtype, tuple(m.shape), m.start_idx, m.end_idx) for m in metadata
-    )
-    return _per_rank([(name, flat)], tp_size, serialize)
+    it). Like :func:`serialize_per_rank`, the payloads reference ``flat``. ``forget_first``: the
+    loader first drops the buffers it kept from earlier pushes (``flat`` is in a new one)."""
+    known = _names.get(id(metadata))
+    if known is not None and known[0] is metadata:  # a layout the Stager handed out before
+        name = known[1]
+    else:
+        name = bucket_name(BucketEntry(m.name, m.dtype, tuple(m.shape), m.start_idx, m.end_idx) for m in metadata)
+        if len(_names) >= Stager.MAX_LAYOUTS:
+            _names.clear()
+        _names[id(metadata)] = (metadata, name)  # kept with its list, so the id stays that list's
+    return _per_rank([(FORGET, flat[:1])] * forget_first + [(name, flat)], tp_size, serialize)
+
+
+#: id of a layout's metadata list -> (the list, its bucket name): every push of a layout the
+#: Stager knows hands over the same list.
+_names: dict[int, tuple[Sequence[Any], str]] = {}
+
+
+def forget_payloads(buffer: torch.Tensor, tp_size: int, serialize: Serializer | None = None) -> list[bytes]:
+    """Per-rank payloads that only make the loader let go of what it kept (``buffer``: any tensor
+    on the engine's device, e.g. the staging buffer about to be freed; it is not read)."""
+    return _per_rank([(FORGET, buffer[:1])], tp_size, serialize)
 
 
 def _per_rank(payload: Any, tp_size: int, serialize: Serializer | None) -> list[bytes]:
@@ -164,6 +182,11 @@ class Stager:
         self.device = device
         self._buffer: torch.Tensor | None = None
         self._layouts: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor], list[Any]]] = {}
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The staging buffer (None before the first bucket); a new one when a bucket outgrew it."""
+        return self._buffer
 
     def stage(self, named: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[Any]]:
         """``(flat, metadata)`` of ``named`` copied into the staging buffer (valid until the next

@@ -25,6 +25,7 @@ from rollout_engines.types import (
 )
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
 from rollout_engines.weights.session import connect_weight_sync
+from rollout_engines_sglang import loader
 from rollout_engines_sglang.engine import SglangEngine
 from rollout_engines_sglang.loader import LOADER, planned_loader
 from sglang_fake import FakeSglangRuntime, StreamingFakeSglangRuntime
@@ -144,6 +145,28 @@ async def test_relayed_push_reaches_every_tp_rank(tiny_model) -> None:
     assert fake.flushes == flushes + 1 and engine.weight_version == 1
     comps = await engine.generate(GREEDY)
     assert comps[0].weight_version == 1
+
+
+async def test_the_loader_lets_go_of_the_staging_buffer_before_the_relay_frees_it(tiny_model) -> None:
+    """Each rank's loader keeps its import of the relay's staging buffer between pushes (one entry
+    per layout); when the engine sleeps, the relay first tells every rank to let go (a kept import
+    would hold the memory the trainer wants back), and pushes after waking work as before."""
+    engine, fake = make(tiny_model, tp_size=2, weight_loaders=(LOADER,), copy_plan=True)
+    new = perturbed(checkpoint(tiny_model), seed=14)
+    sync = await connect_weight_sync([engine], "inproc")
+    try:
+        for version in (1, 2):
+            await sync.push(new, version=version)
+            assert all(len(loader._kept[m]) == 1 for m in fake.models)
+        await engine.sleep()
+        assert all(m not in loader._kept and not planned_loader(m).plan._views for m in fake.models)
+        await engine.wake_up()
+        await sync.push(checkpoint(tiny_model), version=3)
+        assert all(torch.equal(fake.weights[n], t) for n, t in checkpoint(tiny_model).items())
+        assert all(len(loader._kept[m]) == 1 for m in fake.models)
+    finally:
+        await sync.close()
+    assert all(m not in loader._kept for m in fake.models)  # closing the transfer lets go too
 
 
 async def test_relayed_pushes_go_through_the_copy_plan_loader(tiny_model) -> None:

@@ -162,7 +162,8 @@ def test_first_bucket_loads_and_records_later_ones_replay_exactly() -> None:
         reference.load_weights(list(new.items()))
         _assert_same(model, reference)
         assert sorted(seen) == sorted(plan.fallback)  # the rest by direct copies
-    assert plan._views == {}  # nothing of the last push's buffer is kept
+    loader.forget(model)
+    assert plan._views == {} and model not in loader._kept  # nothing of the pushes' buffers is kept
     assert loader.planned_loader(model) is loader.planned_loader(model)
     assert loader.planned_loader(reference) is not loader.planned_loader(model)  # one plan per model
 
@@ -191,3 +192,44 @@ def test_bucket_layout_round_trips_through_the_name() -> None:
         loader.parse_bucket_name(loader.PREFIX + '[["w","no_such_dtype",[1],0,4]]')
     with pytest.raises(ValueError, match="malformed"):
         loader.parse_bucket_name(loader.PREFIX + "{not json")
+
+
+def test_the_relays_kept_buffer_is_viewed_once_and_forget_lets_go_of_it() -> None:
+    """The relay stages every push into the buffer it keeps: the loader rebuilds nothing for a layout
+    it saw in that buffer (same view objects, so the plan's copies replay), loads every push
+    exactly, and a FORGET entry (sent before the relay frees the buffer) drops all it kept."""
+    model, reference = Qwen2LikeSglang(), Qwen2LikeSglang()
+    stager = payloads.Stager(torch.device("cpu"))
+
+    def push(seed: int) -> list[tuple[str, torch.Tensor]]:
+        tensors = _checkpoint(seed)
+        flat, metadata = stager.stage(list(tensors.items()))
+        (blob,) = payloads.loader_payloads(flat, metadata, tp_size=1)
+        loader.load_bucket(model, pickle.loads(blob))
+        reference.load_weights(list(tensors.items()))
+        _assert_same(model, reference)
+        (entry,) = loader._kept[model].values()
+        return entry[1]
+
+    first = push(0)
+    for seed in (1, 2):
+        again = push(seed)
+        assert all(a[1] is b[1] for a, b in zip(first, again, strict=True))  # the same views
+    plan = loader.planned_loader(model).plan
+    assert plan._views  # the sources of the copies, kept for the next push
+
+    (blob,) = payloads.forget_payloads(stager.buffer, tp_size=1)
+    loader.load_bucket(model, pickle.loads(blob))
+    assert model not in loader._kept and plan._views == {}
+    push(3)  # and loads as before
+
+
+def test_a_grown_buffer_makes_the_loader_forget_the_old_one() -> None:
+    model = Qwen2LikeSglang()
+    tensors = _checkpoint(4)
+    small = dict(list(tensors.items())[:3])
+    for buffer, forget_first in ((small, True), (tensors, True)):
+        _, flat, metadata = payloads.stage_views(list(buffer.items()), None, torch.device("cpu"))
+        (blob,) = payloads.loader_payloads(flat, metadata, tp_size=1, forget_first=forget_first)
+        loader.load_bucket(model, pickle.loads(blob))
+        assert len(loader._kept[model]) == 1  # only the buffer of this push
