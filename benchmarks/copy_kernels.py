@@ -154,6 +154,14 @@ def shape_main(name: str, bucket_mb: float) -> None:
         methods[f"copier_{kernel}_bucketed"] = lambda kernel=kernel: copier(kernel, buckets)
     for min_mb in (4, 16, 64):
         methods[f"copier_hybrid{min_mb}mb_bucketed"] = lambda m=min_mb: hybrid(m)
+
+    def eager() -> Callable[[], None]:  # what a receiver does with tensors it has not seen before
+        from rollout_engines.weights.copies import SteadyCopier
+
+        c = SteadyCopier(graphs=False)
+        return lambda: [c.copy(d, s) for d, s in buckets] and None
+
+    methods["copier_eager_bucketed"] = eager
     nbytes = 2 * sum(sizes)
     out: dict[str, object] = {"shape": name, "bytes": nbytes, "tensors": len(sizes), "buckets": len(buckets),
                               "device": torch.cuda.get_device_name(dev)}

@@ -8,11 +8,14 @@ copy split over four side streams: one ``_foreach_copy_`` leaves the GPU idle at
 of its launches, four in parallel fill each other's (on an H200, 12 buckets of 27 tensors of
 9.6 MiB: 1832 GB/s with four streams, 1668 GB/s with one, 1705 GB/s with the chunked Triton kernel
 of :mod:`._chunk_copy`, against 2054 GB/s for one flat copy of the same bytes; see
-benchmarks/RESULTS.md). ``kernel="foreach"`` or ``"chunks"`` (or ``ROLLOUT_ENGINES_COPY_KERNEL``)
-replays those instead.
+benchmarks/RESULTS.md), with tensors of 16 MiB and more (``ROLLOUT_ENGINES_MEMCPY_MIN_MB``) copied
+one memcpy each (``kernel="hybrid"``, the default: a 14B model's tensors at 1992 GB/s, against 1907
+with four streams alone and 1499 with one multi-tensor copy). ``kernel="streams"``, ``"foreach"``
+or ``"chunks"`` (or ``ROLLOUT_ENGINES_COPY_KERNEL``) replays those instead.
 
-Anything else (CPU tensors, tensors seen for the first time, a capture that fails) is copied with
-one eager ``_foreach_copy_``.
+Anything else (tensors seen for the first time, e.g. a trainer that hands over new tensors every
+update, or a capture that fails) is copied eagerly: large tensors one memcpy each, the rest in one
+``_foreach_copy_`` (CPU tensors: all of them).
 """
 
 from __future__ import annotations
@@ -62,9 +65,10 @@ class SteadyCopier:
         #: What a graph replays: "chunks" (one chunked kernel, where it applies), "streams" (multi-
         #: tensor copies on parallel streams), "hybrid" ("streams" with large tensors copied one
         #: by one) or "foreach" (one multi-tensor copy).
-        self.kernel = kernel or os.environ.get("ROLLOUT_ENGINES_COPY_KERNEL", "streams")
-        #: ``kernel="hybrid"``: tensors of at least this many bytes are copied one by one (a memcpy
-        #: each, at the flat-copy rate), smaller ones as multi-tensor copies ("streams").
+        self.kernel = kernel or os.environ.get("ROLLOUT_ENGINES_COPY_KERNEL", "hybrid")
+        #: Tensors of at least this many bytes are copied one by one (a memcpy each, at the
+        #: flat-copy rate), smaller ones as multi-tensor copies: in eager copies, and in the graphs
+        #: of ``kernel="hybrid"`` (the default; "streams" for the rest).
         self.memcpy_min_bytes = int(float(os.environ.get("ROLLOUT_ENGINES_MEMCPY_MIN_MB", "16")) * 2**20)
         self.replays = 0  # graph replays so far (tests and benchmarks read it)
         self.chunked = 0  # graphs captured with the chunked kernel
@@ -81,7 +85,7 @@ class SteadyCopier:
         if not dsts:
             return
         if not (self.use_graphs and dsts[0].is_cuda):
-            torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+            self._eager(dsts, srcs)
             return
         tensors = [*dsts, *srcs]
         key = tuple(map(id, tensors))
@@ -103,7 +107,26 @@ class SteadyCopier:
                 if len(self._known) >= self.max_graphs:
                     self._known.clear()
                 self._known[key] = (fingerprint, None, None)
-        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+        self._eager(dsts, srcs)
+
+    def _eager(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        """The copies launched one by one where they are large (on CUDA, at least
+        ``memcpy_min_bytes``: a memcpy each, at the flat-copy rate; one multi-tensor copy is ~0.75
+        of it on an H200), the rest as one multi-tensor copy."""
+        if not dsts[0].is_cuda:
+            torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+            return
+        big = self.memcpy_min_bytes
+        small_d: list[torch.Tensor] = []
+        small_s: list[torch.Tensor] = []
+        for d, s in zip(dsts, srcs, strict=True):
+            if d.numel() * d.element_size() >= big:
+                d.copy_(s, non_blocking=True)
+            else:
+                small_d.append(d)
+                small_s.append(s)
+        if small_d:
+            torch._foreach_copy_(small_d, small_s, non_blocking=True)
 
     def _capture(
         self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
