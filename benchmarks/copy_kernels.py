@@ -82,14 +82,26 @@ def chunk_kernel(dst: Tensors, src: Tensors, chunk: int, block: int, warps: int)
     return lambda: _chunk_copy.launch(table, chunk_bytes=chunk, block=block, num_warps=warps)
 
 
-def copier(kernel: str, buckets: Sequence[tuple[Tensors, Tensors]]) -> Callable[[], None]:
+def copier(kernel: str, buckets: Sequence[tuple[Tensors, Tensors]], *, graphs: bool = True,
+           memcpy_min_mb: float | None = None) -> Callable[[], None]:
+    """The core's copier, bucket by bucket (``graphs=False``: its eager copies, what a receiver does
+    with tensors it has not seen before)."""
     from rollout_engines.weights.copies import SteadyCopier
 
-    c = SteadyCopier(kernel=kernel)
+    c = SteadyCopier(kernel=kernel, graphs=graphs)
+    if memcpy_min_mb is not None:
+        c.memcpy_min_bytes = int(memcpy_min_mb * 2**20)
     for _ in range(2):  # seen, then captured: from here on every call replays
         for d, s in buckets:
             c.copy(d, s)
     return lambda: [c.copy(d, s) for d, s in buckets] and None
+
+
+def per_bucket(buckets: Sequence[tuple[Tensors, Tensors]],
+               make: Callable[[Tensors, Tensors], Callable[[], object]]) -> Callable[[], None]:
+    """One run per bucket (``make(dsts, srcs)``), all of them in a row."""
+    runs = [make(d, s) for d, s in buckets]
+    return lambda: [r() for r in runs] and None
 
 
 def measure(methods: dict[str, Callable[[], Callable[[], object]]], dst: Tensors, src: Tensors, nbytes: int,
@@ -131,37 +143,16 @@ def shape_main(name: str, bucket_mb: float) -> None:
         used += 2 * n
     buckets.append((dst[start:], src[start:]))
 
-    def hybrid(min_mb: float) -> Callable[[], None]:
-        from rollout_engines.weights.copies import SteadyCopier
-
-        c = SteadyCopier(kernel="hybrid")
-        c.memcpy_min_bytes = int(min_mb * 2**20)
-        for _ in range(2):
-            for d, s in buckets:
-                c.copy(d, s)
-        return lambda: [c.copy(d, s) for d, s in buckets] and None
-
-    def each(make: Callable[[Tensors, Tensors], Callable[[], object]]) -> Callable[[], None]:
-        runs = [make(d, s) for d, s in buckets]
-        return lambda: [r() for r in runs] and None
-
     methods: dict[str, Callable[[], Callable[[], object]]] = {
         "flat_copy": lambda: lambda: flat_dst.copy_(flat_src),
         "per_tensor_eager": lambda: lambda: per_tensor(dst, src),
-        "bucketed_per_tensor_graph": lambda: each(lambda d, s: graph_of(lambda: per_tensor(d, s))),
+        "bucketed_per_tensor_graph": lambda: per_bucket(buckets, lambda d, s: graph_of(lambda: per_tensor(d, s))),
     }
     for kernel in ("foreach", "streams"):
         methods[f"copier_{kernel}_bucketed"] = lambda kernel=kernel: copier(kernel, buckets)
     for min_mb in (4, 16, 64):
-        methods[f"copier_hybrid{min_mb}mb_bucketed"] = lambda m=min_mb: hybrid(m)
-
-    def eager() -> Callable[[], None]:  # what a receiver does with tensors it has not seen before
-        from rollout_engines.weights.copies import SteadyCopier
-
-        c = SteadyCopier(graphs=False)
-        return lambda: [c.copy(d, s) for d, s in buckets] and None
-
-    methods["copier_eager_bucketed"] = eager
+        methods[f"copier_hybrid{min_mb}mb_bucketed"] = lambda m=min_mb: copier("hybrid", buckets, memcpy_min_mb=m)
+    methods["copier_eager_bucketed"] = lambda: copier("hybrid", buckets, graphs=False)
     nbytes = 2 * sum(sizes)
     out: dict[str, object] = {"shape": name, "bytes": nbytes, "tensors": len(sizes), "buckets": len(buckets),
                               "device": torch.cuda.get_device_name(dev)}
@@ -190,8 +181,7 @@ def main() -> None:
     buckets = [(dst[i:i + size], src[i:i + size]) for i in range(0, n, size)]
 
     def bucketed(make: Callable[[Tensors, Tensors], Callable[[], object]]) -> Callable[[], None]:
-        runs = [make(d, s) for d, s in buckets]
-        return lambda: [r() for r in runs] and None
+        return per_bucket(buckets, make)
 
     methods: dict[str, Callable[[], Callable[[], object]]] = {
         "flat_copy": lambda: lambda: flat_dst.copy_(flat_src),
