@@ -1012,6 +1012,10 @@ class _VerifyOnly:
         return None
 
 
+#: How long the relay waits for SGLang's loader to let go of the staging buffer (sleep, close).
+FORGET_TIMEOUT_S = 60.0
+
+
 class _RelayTarget:
     """A WeightTarget that hands every received bucket to SGLang over CUDA IPC: to the plugin's
     copy-plan loader where SGLang runs it, else as SGLang's flattened bucket (see :mod:`.payloads`)."""
@@ -1077,8 +1081,9 @@ class _RelayTarget:
             from .payloads import forget_payloads
 
             runtime = self.engine.runtime
+            call = runtime.update_from_tensor(forget_payloads(buffer, runtime.tp_size, runtime.serialize), self.load_format)
             try:
-                await runtime.update_from_tensor(forget_payloads(buffer, runtime.tp_size, runtime.serialize), self.load_format)
+                await asyncio.wait_for(self.engine._unless_failed(call), timeout=FORGET_TIMEOUT_S)
             except Exception as exc:  # an engine failing or shutting down lets go of everything anyway
                 logger.warning("SGLang's loader did not let go of the staging buffer: %s", exc)
         del stager, buffer

@@ -169,6 +169,23 @@ async def test_the_loader_lets_go_of_the_staging_buffer_before_the_relay_frees_i
     assert all(m not in loader._kept for m in fake.models)  # closing the transfer lets go too
 
 
+async def test_a_failed_let_go_still_frees_the_staging_buffer_and_sleeps(tiny_model, caplog) -> None:
+    engine, fake = make(tiny_model, weight_loaders=(LOADER,), copy_plan=True)
+    sync = await connect_weight_sync([engine], "inproc")
+    try:
+        await sync.push(perturbed(checkpoint(tiny_model), seed=15), version=1)
+        fake.fail_update_at = fake._updates + 1  # SGLang answers the let-go call with a failure
+        target = engine._transfer.receiver.target
+        with caplog.at_level("WARNING", logger="rollout_engines.sglang"):
+            await engine.sleep()
+        assert target._stager is None and "did not let go" in caplog.text
+        await engine.wake_up()
+        await sync.push(checkpoint(tiny_model), version=2)  # the next push works
+        assert all(torch.equal(fake.weights[n], t) for n, t in checkpoint(tiny_model).items())
+    finally:
+        await sync.close()
+
+
 async def test_relayed_pushes_go_through_the_copy_plan_loader(tiny_model) -> None:
     """A runtime started with the plugin's loader gets every relayed bucket in the loader's form;
     each rank's model records on the first push and replays on the next (load_weights then sees
