@@ -61,7 +61,7 @@ def main() -> None:
         for _ in range(args.pushes):
             torch.cuda.synchronize()
             t0 = time.time()
-            flat, metadata = stager.stage(named)
+            flat, metadata, _ = stager.stage(named)
             t1 = time.time()
             payloads = build(flat, metadata, rt.tp_size, rt.serialize)
             t2 = time.time()

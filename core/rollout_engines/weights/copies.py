@@ -113,20 +113,7 @@ class SteadyCopier:
         """The copies launched one by one where they are large (on CUDA, at least
         ``memcpy_min_bytes``: a memcpy each, at the flat-copy rate; one multi-tensor copy is ~0.75
         of it on an H200), the rest as one multi-tensor copy."""
-        if not dsts[0].is_cuda:
-            torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
-            return
-        big = self.memcpy_min_bytes
-        small_d: list[torch.Tensor] = []
-        small_s: list[torch.Tensor] = []
-        for d, s in zip(dsts, srcs, strict=True):
-            if d.numel() * d.element_size() >= big:
-                d.copy_(s, non_blocking=True)
-            else:
-                small_d.append(d)
-                small_s.append(s)
-        if small_d:
-            torch._foreach_copy_(small_d, small_s, non_blocking=True)
+        _copy_mixed(dsts, srcs, self.memcpy_min_bytes if dsts[0].is_cuda else None)
 
     def _capture(
         self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
@@ -176,15 +163,26 @@ class SteadyCopier:
             if d:
                 stream.wait_stream(cur)
                 with torch.cuda.stream(stream):
-                    if big is None:
-                        torch._foreach_copy_(d, s, non_blocking=True)
-                        continue
-                    small = [i for i, t in enumerate(d) if t.numel() * t.element_size() < big]
-                    if small:
-                        torch._foreach_copy_([d[i] for i in small], [s[i] for i in small], non_blocking=True)
-                    for dst, src in zip(d, s, strict=True):
-                        if dst.numel() * dst.element_size() >= big:
-                            dst.copy_(src, non_blocking=True)  # contiguous, same dtype: a memcpy node
+                    _copy_mixed(d, s, big)
         for stream, (d, _) in zip(self._streams, groups, strict=False):
             if d:
                 cur.wait_stream(stream)
+
+
+def _copy_mixed(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], big: int | None) -> None:
+    """``dst.copy_(src)`` for each pair: those of at least ``big`` bytes one by one (contiguous, same
+    dtype: a memcpy each, a memcpy node in a graph), the rest as one multi-tensor copy (all of
+    them where ``big`` is None)."""
+    if big is None:
+        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+        return
+    small_d: list[torch.Tensor] = []
+    small_s: list[torch.Tensor] = []
+    for d, s in zip(dsts, srcs, strict=True):
+        if d.numel() * d.element_size() >= big:
+            d.copy_(s, non_blocking=True)
+        else:
+            small_d.append(d)
+            small_s.append(s)
+    if small_d:
+        torch._foreach_copy_(small_d, small_s, non_blocking=True)

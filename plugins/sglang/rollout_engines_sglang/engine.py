@@ -1056,15 +1056,16 @@ class _RelayTarget:
         # share again; the copy runs at device bandwidth.
         if self._stager is None:
             self._stager = Stager(self.device)
-        flat, metadata = self._stager.stage(named)
+        staged = self._stager.stage(named)
         if self.load_format == "flattened_bucket":
-            payloads = serialize_per_rank(flat, metadata, runtime.tp_size, runtime.serialize)
+            payloads = serialize_per_rank(staged.flat, staged.metadata, runtime.tp_size, runtime.serialize)
         else:
             # The loader keeps its imports of the buffer (see .loader); a new buffer (grown) makes
             # it drop the old one's first.
             renewed = self._stager.buffer is not self._sent_buffer
             self._sent_buffer = self._stager.buffer
-            payloads = loader_payloads(flat, metadata, runtime.tp_size, runtime.serialize, forget_first=renewed)
+            payloads = loader_payloads(staged.flat, staged.metadata, runtime.tp_size, runtime.serialize,
+                                       forget_first=renewed, name=staged.name)
         assert self.loop is not None
         future = asyncio.run_coroutine_threadsafe(runtime.update_from_tensor(payloads, self.load_format), self.loop)
         future.result()  # SGLang has loaded the bucket when this returns: the staging is free again

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from rollout_engines.weights.buckets import torch_dtype
@@ -101,27 +101,21 @@ def serialize_per_rank(
 
 def loader_payloads(
     flat: torch.Tensor, metadata: Sequence[Any], tp_size: int, serialize: Serializer | None = None,
-    *, forget_first: bool = False,
+    *, forget_first: bool = False, name: str | None = None,
 ) -> list[bytes]:
     """One serialized ``[(bucket_name, flat)]`` per TP rank, the form
     ``update_weights_from_tensor(load_format=LOADER)`` hands to :func:`.loader.load_bucket`
     (``metadata``: SGLang's flattened-bucket metadata of ``flat``, as :func:`stage_views` returns
-    it). Like :func:`serialize_per_rank`, the payloads reference ``flat``. ``forget_first``: the
-    loader first drops the buffers it kept from earlier pushes (``flat`` is in a new one)."""
-    known = _names.get(id(metadata))
-    if known is not None and known[0] is metadata:  # a layout the Stager handed out before
-        name = known[1]
-    else:
-        name = bucket_name(BucketEntry(m.name, m.dtype, tuple(m.shape), m.start_idx, m.end_idx) for m in metadata)
-        if len(_names) >= Stager.MAX_LAYOUTS:
-            _names.clear()
-        _names[id(metadata)] = (metadata, name)  # kept with its list, so the id stays that list's
+    it; ``name``: its bucket name where known, as :class:`Stager` keeps it per layout). Like
+    :func:`serialize_per_rank`, the payloads reference ``flat``. ``forget_first``: the loader first
+    drops the buffers it kept from earlier pushes (``flat`` is in a new one)."""
+    name = name or metadata_name(metadata)
     return _per_rank([(FORGET, flat[:1])] * forget_first + [(name, flat)], tp_size, serialize)
 
 
-#: id of a layout's metadata list -> (the list, its bucket name): every push of a layout the
-#: Stager knows hands over the same list.
-_names: dict[int, tuple[Sequence[Any], str]] = {}
+def metadata_name(metadata: Sequence[Any]) -> str:
+    """The loader's bucket name (:func:`.loader.bucket_name`) of SGLang's flattened-bucket metadata."""
+    return bucket_name(BucketEntry(m.name, m.dtype, tuple(m.shape), m.start_idx, m.end_idx) for m in metadata)
 
 
 def forget_payloads(buffer: torch.Tensor, tp_size: int, serialize: Serializer | None = None) -> list[bytes]:
@@ -168,10 +162,19 @@ def stage_views(
     return staging, flat, metadata
 
 
+class Staged(NamedTuple):
+    """A bucket in the staging buffer: the part used, SGLang's metadata of it, and its bucket name
+    for the plugin's loader (:func:`metadata_name`)."""
+
+    flat: torch.Tensor
+    metadata: list[Any]
+    name: str
+
+
 class Stager:
     """:func:`stage_views` for a stream of buckets: one staging buffer on ``device``, kept across
-    buckets and pushes, and per bucket layout (names, dtypes, shapes) the views and SGLang
-    metadata built for it, so a push of the same layout (every step of an RL loop) only copies:
+    buckets and pushes, and per bucket layout (names, dtypes, shapes) the views, SGLang metadata
+    and bucket name built for it, so a push of the same layout (every step of an RL loop) only copies:
     one multi-tensor copy per bucket instead of a copy, two views and a metadata object per
     tensor (on an H200, ~1B model, 195 tensors: 3.5-5.4 ms per push staged one by one)."""
 
@@ -181,16 +184,15 @@ class Stager:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffer: torch.Tensor | None = None
-        self._layouts: dict[tuple[Any, ...], tuple[torch.Tensor, list[torch.Tensor], list[Any]]] = {}
+        self._layouts: dict[tuple[Any, ...], tuple[Staged, list[torch.Tensor]]] = {}
 
     @property
     def buffer(self) -> torch.Tensor | None:
         """The staging buffer (None before the first bucket); a new one when a bucket outgrew it."""
         return self._buffer
 
-    def stage(self, named: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[Any]]:
-        """``(flat, metadata)`` of ``named`` copied into the staging buffer (valid until the next
-        call)."""
+    def stage(self, named: Sequence[tuple[str, torch.Tensor]]) -> Staged:
+        """``named`` copied into the staging buffer (valid until the next call)."""
         key = tuple((n, t.dtype, t.shape) for n, t in named)
         known = self._layouts.get(key)
         if known is None:
@@ -198,10 +200,10 @@ class Stager:
             if buffer is not self._buffer or len(self._layouts) >= self.MAX_LAYOUTS:
                 # Grown (the views of other layouts point at the old buffer), or too many to keep.
                 self._buffer, self._layouts = buffer, {}
-            known = self._layouts[key] = (flat, dsts, metadata)
-        flat, dsts, metadata = known
+            known = self._layouts[key] = (Staged(flat, metadata, metadata_name(metadata)), dsts)
+        staged, dsts = known
         _copy_in(dsts, named, self.device)
-        return flat, metadata
+        return staged
 
 
 def _layout(

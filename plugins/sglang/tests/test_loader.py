@@ -203,7 +203,7 @@ def test_the_relays_kept_buffer_is_viewed_once_and_forget_lets_go_of_it() -> Non
 
     def push(seed: int) -> list[tuple[str, torch.Tensor]]:
         tensors = _checkpoint(seed)
-        flat, metadata = stager.stage(list(tensors.items()))
+        flat, metadata, _ = stager.stage(list(tensors.items()))
         (blob,) = payloads.loader_payloads(flat, metadata, tp_size=1)
         loader.load_bucket(model, pickle.loads(blob))
         reference.load_weights(list(tensors.items()))

@@ -161,23 +161,23 @@ def test_stager_keeps_the_buffer_and_the_views_of_a_layout() -> None:
     tensors = _tensors()
     named = list(tensors.items())
     stager = payloads.Stager(torch.device("cpu"))
-    flat, meta = stager.stage(named)
+    flat, meta, _ = stager.stage(named)
     rebuilt = dict(FlattenedTensorBucket(flattened_tensor=flat, metadata=meta).reconstruct_tensors())
     assert all(torch.equal(rebuilt[n], t) for n, t in tensors.items())
     # The next push of the same layout: new values, the same buffer, views and metadata.
     changed = [(n, t + 1) for n, t in named]
-    flat2, meta2 = stager.stage(changed)
+    flat2, meta2, _ = stager.stage(changed)
     assert flat2.data_ptr() == flat.data_ptr() and meta2 is meta
     rebuilt = dict(FlattenedTensorBucket(flattened_tensor=flat2, metadata=meta2).reconstruct_tensors())
     assert all(torch.equal(rebuilt[n], t) for n, t in changed)
     # Another layout (a smaller bucket) shares the buffer; a larger one grows it and starts over.
     small = named[:1]
-    flat3, _ = stager.stage(small)
+    flat3, _, _ = stager.stage(small)
     assert flat3.data_ptr() == flat.data_ptr()
     big = [("big", torch.ones(flat.numel() + 1000, dtype=torch.uint8))]
-    flat4, _ = stager.stage(big)
+    flat4, _, _ = stager.stage(big)
     assert flat4.numel() > flat.numel() and bool((flat4[: flat.numel() + 1000] == 1).all())
-    flat5, meta5 = stager.stage(changed)
+    flat5, meta5, _ = stager.stage(changed)
     assert flat5.data_ptr() == flat4.data_ptr() and meta5 is not meta
     rebuilt = dict(FlattenedTensorBucket(flattened_tensor=flat5, metadata=meta5).reconstruct_tensors())
     assert all(torch.equal(rebuilt[n], t) for n, t in changed)
