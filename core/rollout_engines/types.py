@@ -454,6 +454,8 @@ class ReceiveTimings(_Model):
 
     validate_s: float = Field(default=0.0, description="Checking the manifest against the model.")
     wait_s: float = Field(default=0.0, description="Waiting for buckets from the trainer.")
+    wait_first_s: float = Field(default=0.0, description="Of wait_s, waiting for the first bucket (the trainer "
+                                "starting late, against keeping up with the copies after that).")
     check_s: float = Field(default=0.0, description="Checksums of the buckets.")
     apply_s: float = Field(default=0.0, description="Copies into the model.")
     install_s: float = Field(default=0.0, description="Registering a received LoRA adapter with the engine.")

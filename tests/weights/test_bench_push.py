@@ -18,6 +18,10 @@ def test_push_benchmark_times_pushes_that_land(tiny_model):
     # From the engine's diagnostics(): its receiver's own account of each push.
     phases = result["phases_median_s"]
     assert 0 < phases["worker_total"] <= phases["push"] and {"worker_wait", "worker_apply"} <= set(phases)
+    # Of the wait, the part before the first bucket (how late the trainer started).
+    assert 0 < phases["worker_wait_first"] <= phases["worker_wait"]
+    # The trainer's side: its first bucket went out before its sender was done, within the push.
+    assert 0 < phases["trainer_first_bucket"] <= phases["trainer_stream"] <= phases["push"]
     assert result["platform"] == "cpu" and result["fingerprint"] == "greedy tokens"
     # The same-run baseline: one copy of the state on the trainer's device; ratio relates the two.
     assert result["device_copy_gbps"] > 0

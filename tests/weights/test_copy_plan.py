@@ -162,3 +162,73 @@ def test_views_are_kept_for_the_same_sources_only_where_asked() -> None:
     dropped.reuse_views = False
     dropped.apply(weights, model.load_weights)
     assert dropped._views == {}
+
+
+def test_two_alternating_weight_sets_both_keep_their_views() -> None:
+    """A trainer that alternates between two weight sets it keeps (``bench push`` does) finds
+    each set's source views again: the copier sees the same source objects every other update,
+    which is what lets it replay a graph per set on a GPU."""
+    model = FusedLikeVllm()
+    plan = record_copy_plan(_weights(0), model.load_weights)
+    sets = [_weights(1), _weights(2)]
+    seen: list[list[int]] = []
+    copy = plan.copier.copy
+
+    def spy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        seen.append([id(s) for s in srcs])
+        copy(dsts, srcs)
+
+    plan.copier.copy = spy  # type: ignore[method-assign]
+    for step in range(4):
+        plan.apply(sets[step % 2], model.load_weights)
+        for (name, t), (_, p) in zip(sets[step % 2][:3], [("q", model.qkv[i * 8 : (i + 1) * 8]) for i in range(3)], strict=True):
+            assert torch.equal(t, p), (step, name)
+    assert seen[2] == seen[0] and seen[3] == seen[1] and seen[0] != seen[1]
+    third = _weights(3)  # a third set pushes out the least recent one
+    plan.apply(third, model.load_weights)
+    plan.apply(sets[0], model.load_weights)
+    assert seen[-1] != seen[0]
+
+
+def test_owned_tensors_are_not_held_after_the_update() -> None:
+    """Tensors handed over as the receiver's own (fresh buckets, staged clones) are new every
+    update: the loader keeps no views of them, so their memory (a whole update's, staged) is freed
+    as soon as the caller lets go."""
+    import gc
+    import weakref
+
+    model = FusedLikeVllm()
+    loader = PlannedLoader()
+    loader.apply(_weights(0), model.load_weights, owned=True)  # learns the plan
+    update = _weights(1)
+    refs = [weakref.ref(t) for _, t in update]
+    loader.apply(update, model.load_weights, owned=True)
+    assert torch.equal(model.embed, update[5][1])
+    del update
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+    # Views handed over (not owned) are kept for the next update.
+    views = _bucket_views(_weights(2))
+    loader.apply(views, model.load_weights, owned=False)
+    assert set(loader.plan._views) == set(loader.plan.copies)
+
+
+def test_alternating_weight_sets_each_replay_their_own_graph() -> None:
+    """On a GPU: sets A and B pushed in turn are each captured on their second update and
+    replayed from then on, and every update lands exactly."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reference, planned = FusedLikeVllm().cuda(), FusedLikeVllm().cuda()
+    plan = record_copy_plan([(n, t.cuda()) for n, t in _weights(0)], planned.load_weights)
+    sets = [[(n, t.cuda()) for n, t in _weights(s) if n != "scale"] for s in (1, 2)]
+    for step in range(6):
+        plan.apply(sets[step % 2], planned.load_weights)
+        reference.load_weights(sets[step % 2])
+        torch.cuda.synchronize()
+        for (name, a), b in zip(planned.named_parameters(), reference.parameters(), strict=True):
+            if name != "scale":
+                assert torch.equal(a, b), (step, name)
+    # A and B eager on their first sight, captured on the second (steps 2, 3), replayed after.
+    assert plan.copier.replays == 4

@@ -132,6 +132,36 @@ async def test_zero_copy_push_reads_the_trainers_tensors_and_keeps_only_live_seg
         assert opened_after[4] > opened_after[3]  # temporaries live in other memory
 
 
+async def test_two_kept_weight_sets_pushed_in_turn_reuse_their_descriptions():
+    """A trainer alternating between two weight sets it keeps (as ``bench push`` does): once both
+    are known to be kept, each bucket goes out under the description made for its set (no re-describing,
+    the receiver finds its views, and so its copy graphs, again); nothing is reopened; every
+    push lands."""
+    from rollout_engines.weights.transports import _cuda_segments
+
+    if not _cuda_segments.available():
+        pytest.skip("zero-copy cuda_ipc needs cuda-bindings")
+    torch.manual_seed(0)
+    sets = [{f"w{i}": torch.randn(256, 1024, device="cuda:0") * (k + 1) for i in range(16)} for k in range(2)]
+    async with receiver_process(sets[0], {}) as push:
+        sent: list[list[int]] = []
+        send_shared = push.sender.send_shared
+
+        def spy(header, shared, tensors):
+            sent[-1].append(id(shared))
+            return send_shared(header, shared, tensors)
+
+        push.sender.send_shared = spy
+        opened = []
+        for version in range(1, 7):
+            sent.append([])
+            opened.append((await push(sets[version % 2], version))[1])
+        # Pushes 1 and 2 learn that the trainer keeps the sets (they come back); 3 and 4 describe
+        # them as kept; 5 and 6 send those descriptions again.
+        assert sent[4] == sent[2] and sent[5] == sent[3] and sent[2] != sent[3]
+        assert opened[3] == opened[5]  # both sets' segments stay mapped
+
+
 @pytest.mark.transformers
 async def test_transformers_engine_on_gpu_receives_over_cuda_ipc(tiny_model):
     from rollout_engines import EngineConfig, GenerateRequest, SamplingParams

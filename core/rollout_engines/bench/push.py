@@ -55,11 +55,14 @@ def _median_phases(phases: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(p.get(k, 0.0) for p in later), 6) for k in (phases[0] if phases else {})}
 
 
-def _phases(diagnostics: Diagnostics, push_s: float) -> dict[str, float]:
+def _phases(diagnostics: Diagnostics, push_s: float, sent: dict[str, float] | None = None) -> dict[str, float]:
     """One push's time by phase: the host's RPC round trip into its workers, worker 0's own account,
-    the prefix-cache reset after it, and what is left (session, manifest, event-loop hops)."""
+    the prefix-cache reset after it, what is left (session, manifest, event-loop hops), and the
+    trainer's sender (``WeightSync.last_send_timings``: when its first bucket went out, when it was
+    done)."""
     last = diagnostics.last_receive
     out = {"push": push_s}
+    out.update({f"trainer_{k}": v for k, v in (sent or {}).items()})
     if last is not None and last.rpc_s is not None:
         out["rpc"] = last.rpc_s
     if last is not None and last.workers:
@@ -104,7 +107,7 @@ def run(args: Any) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     await sync.push(tensors, version=engine.weight_version + 1)
                     times.append(time.perf_counter() - t0)
-                    phases.append(_phases(await engine.diagnostics(), times[-1]))
+                    phases.append(_phases(await engine.diagnostics(), times[-1], sync.last_send_timings))
                     if between:  # as in an RL loop: rollouts fill the prefix cache between pushes
                         await engine.generate(request)
                     if i == 0:
@@ -189,7 +192,7 @@ def run_lora(args: Any) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     await sync.push_lora(spec, sets[i % 2], version=i + 1)
                     times.append(time.perf_counter() - t0)
-                    phases.append(_phases(await engine.diagnostics(), times[-1]))
+                    phases.append(_phases(await engine.diagnostics(), times[-1], sync.last_send_timings))
             finally:
                 await sync.close()
             listed = (await engine.info()).loras == {spec.name: pushes}

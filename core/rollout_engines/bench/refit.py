@@ -105,7 +105,7 @@ def run(args: Any) -> dict[str, Any]:
                     await timed("sleep", row, engine.sleep(level=level))
                     await timed("wake_weights", row, engine.wake_up(tags=["weights"]))
                     await timed("push", row, sync.push(tensors, version=engine.weight_version + 1))
-                    push_phases.append(_phases(await engine.diagnostics(), row["push"]))  # untimed
+                    push_phases.append(_phases(await engine.diagnostics(), row["push"], sync.last_send_timings))  # untimed
                     await timed("wake_kv", row, engine.wake_up(tags=["kv_cache"]))
                     await timed("first_token", row, engine.generate(one_token))
                     row["refit"] = row["wake_weights"] + row["push"] + row["wake_kv"]

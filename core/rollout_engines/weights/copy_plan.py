@@ -30,6 +30,11 @@ from .copies import SteadyCopier
 
 logger = logging.getLogger("rollout_engines.weights.copy_plan")
 
+#: Source views kept per name: the last two weight sets a trainer pushed (e.g. one it alternates
+#: with another, as ``bench push`` does) both stay steady. Each kept set holds its tensors' memory
+#: alive (views of the trainer's memory or of a reused buffer, held anyway).
+VIEW_SETS = 2
+
 
 @dataclass
 class _Copy:
@@ -44,13 +49,17 @@ class CopyPlan:
     copies: dict[str, list[_Copy]] = field(default_factory=dict)
     fallback: set[str] = field(default_factory=set)
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
-    _views: dict[str, tuple[weakref.ref[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = field(
+    #: Per name, the source views of the last updates' tensors (most recent first, at most
+    #: :data:`VIEW_SETS`): a trainer that alternates between weight sets it keeps finds each set's
+    #: views (and the copier its graphs) again.
+    _views: dict[str, list[tuple[weakref.ref[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]] = field(
         default_factory=dict, repr=False
     )
     #: Copies a bucket's slices (``copier.use_graphs = False`` for eager copies only).
     copier: SteadyCopier = field(default_factory=SteadyCopier, repr=False)
-    #: Keep each name's source views for the next update (see :meth:`_sources`). Off where every
-    #: update brings new tensors: the kept views would only hold the last update's buffer alive.
+    #: Keep each name's source views for the next updates (see :meth:`_sources`). Off where every
+    #: update brings new tensors: the kept views would only hold the last updates' buffers alive
+    #: (``apply(..., keep=False)`` does the same for one update).
     reuse_views: bool = True
 
     def covers(self, name: str, tensor: torch.Tensor) -> bool:
@@ -64,9 +73,12 @@ class CopyPlan:
         self,
         named: Iterable[tuple[str, torch.Tensor]],
         load_weights: Callable[[list[tuple[str, torch.Tensor]]], object],
+        *,
+        keep: bool = True,
     ) -> int:
         """Load ``named``: planned names by direct copies, the rest through ``load_weights``.
-        Returns how many tensors took the fast path."""
+        Returns how many tensors took the fast path. ``keep=False``: the tensors are new every
+        update (the caller's to give away), keep no views of them."""
         rest: list[tuple[str, torch.Tensor]] = []
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
@@ -75,7 +87,7 @@ class CopyPlan:
             if not self.covers(name, tensor):
                 rest.append((name, tensor))
                 continue
-            d, s = self._sources(name, tensor)
+            d, s = self._sources(name, tensor, keep=keep and self.reuse_views)
             dsts.extend(d)
             srcs.extend(s)
             fast += 1
@@ -88,22 +100,33 @@ class CopyPlan:
             load_weights(rest)
         return fast
 
-    def _sources(self, name: str, tensor: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _sources(self, name: str, tensor: torch.Tensor, *, keep: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The destination slices and the matching views of ``tensor``. The views are kept while the
         same tensor object comes back (zero-copy transports hand out the same view of the trainer's
-        memory every update), so a steady push builds no views at all, and the copier sees the
-        same source objects (what lets it replay a graph)."""
-        hit = self._views.get(name)
-        if hit is not None and hit[0]() is tensor:
-            return hit[1], hit[2]
+        memory every update, or one per weight set the trainer alternates between), so a steady
+        push builds no views at all, and the copier sees the same source objects (what lets it
+        replay a graph)."""
+        kept = self._views.get(name)
+        if kept:
+            for i, hit in enumerate(kept):
+                if hit[0]() is tensor:
+                    if i:
+                        kept.insert(0, kept.pop(i))
+                    return hit[1], hit[2]
         copies = self.copies[name]
         dsts = [c.dst for c in copies]
         srcs = [tensor.as_strided(c.size, c.stride, tensor.storage_offset() + c.offset) for c in copies]
-        if self.reuse_views:
-            try:
-                self._views[name] = (weakref.ref(tensor), dsts, srcs)
-            except TypeError:
-                pass
+        if not keep:
+            self._views.pop(name, None)  # nor the last update's: what they view is not coming back
+            return dsts, srcs
+        try:
+            entry = (weakref.ref(tensor), dsts, srcs)
+        except TypeError:
+            return dsts, srcs
+        if kept is None:
+            kept = self._views[name] = []
+        kept.insert(0, entry)
+        del kept[VIEW_SETS:]
         return dsts, srcs
 
 
@@ -231,4 +254,6 @@ class PlannedLoader:
             plan.fallback |= learned.fallback
             plan.shapes.update(learned.shapes)
         if known:
-            plan.apply(known, load_weights)
+            # Owned tensors are new every update (fresh buckets, staged clones): views of them kept
+            # for the next update would hold a whole update's memory alive in between.
+            plan.apply(known, load_weights, keep=not owned)

@@ -132,7 +132,7 @@ class WeightReceiver:
         transport.raise_if_cancelled()
         clock = time.perf_counter
         start = clock()
-        spent = dict.fromkeys(("validate", "wait", "check", "apply"), 0.0)
+        spent = dict.fromkeys(("validate", "wait", "wait_first", "check", "apply"), 0.0)
         expected = target.expected_specs()
         is_delta = manifest.delta is not None and manifest.delta.base_version is not None
         cached = self._validated if model else None
@@ -164,6 +164,8 @@ class WeightReceiver:
                 header, buf = transport.recv_bucket(bucket.index, bucket.nbytes)
                 t1 = clock()
                 spent["wait"] += t1 - t0
+                if bucket.index == 0:
+                    spent["wait_first"] = t1 - t0
                 try:
                     self._check_header(manifest, header, buf)
                     t0 = clock()

@@ -144,6 +144,10 @@ class WeightSync:
         self.progress = progress
         self.version: int | None = None
         self.last_push_seconds = 0.0
+        #: The trainer's side of the last push, in seconds from its start: ``first_bucket`` (the
+        #: first bucket published, or packed and sent) and ``stream`` (the last one, and the
+        #: sender done: acknowledgements it waits for included).
+        self.last_send_timings: dict[str, float] = {}
         #: Bytes of the last push's buckets (what crossed to each receiver, alignment included)
         #: and of every tensor it stands for (what a full push carries); equal but for padding
         #: unless the push was a delta.
@@ -308,7 +312,8 @@ class WeightSync:
         # The sender first: it describes or packs the first buckets while the manifest travels to
         # the engines (a process hop or a request), so receivers find them waiting.
         self.sender.cancelled.clear()
-        sending = asyncio.ensure_future(asyncio.to_thread(self._stream, manifest, iter(items)))
+        self.last_send_timings = {}
+        sending = asyncio.ensure_future(asyncio.to_thread(self._stream, manifest, iter(items), start))
         receivers = [asyncio.ensure_future(e.receive_weights(manifest)) for e in self.engines]
         await _gather_cancelling(self.sender, sending, receivers)
         self.last_push_seconds = time.perf_counter() - start
@@ -338,8 +343,11 @@ class WeightSync:
             err.failures = failures  # type: ignore[attr-defined]
             raise err from first
 
-    def _stream(self, manifest: WeightManifest, items: Iterator[tuple[str, torch.Tensor]]) -> None:
+    def _stream(self, manifest: WeightManifest, items: Iterator[tuple[str, torch.Tensor]], start: float | None = None) -> None:
         sender = self.sender
+        clock = time.perf_counter
+        start = clock() if start is None else start
+        timings = self.last_send_timings = {}
         device = sender.device()
         slots: list[torch.Tensor] = []
         show = self.progress if self.progress is not None else (sys.stderr.isatty() and manifest.total_bytes > 2**28)
@@ -372,6 +380,7 @@ class WeightSync:
                             checksum=checksum_tensors(srcs, manifest.checksum),
                         )
                         sender.send_shared(header, shared, srcs)
+                        timings.setdefault("first_bucket", round(clock() - start, 6))
                         for n in names:
                             del pending[n]
                         del srcs
@@ -398,8 +407,10 @@ class WeightSync:
                         index=bucket.index, nbytes=bucket.nbytes, checksum=checksum(buf, manifest.checksum)
                     )
                     sender.send_bucket(header, buf)
+                    timings.setdefault("first_bucket", round(clock() - start, 6))
                     advance(bucket.nbytes)
             sender.end(manifest)
+            timings["stream"] = round(clock() - start, 6)
         except BaseException as exc:
             try:
                 sender.abort(f"{type(exc).__name__}: {exc}")

@@ -41,6 +41,11 @@ from ...errors import WeightSyncError
 
 logger = logging.getLogger("rollout_engines.weights")
 
+#: Descriptions kept per bucket: a trainer alternating between two weight sets it keeps (as
+#: ``bench push`` does) sends each set's description unchanged, and receivers find their views
+#: of it (and their copy graphs) again.
+DESCRIBED_SETS = 2
+
 
 def _driver() -> Any | None:
     try:
@@ -119,9 +124,10 @@ class SegmentExporter:
         self._close_in: int | None = None  # the bucket of this push that carries the unmap list
         # Tensor objects pushed before (weakly): the same object pushed again lives on.
         self._seen: dict[int, weakref.ref[torch.Tensor]] = {}
-        # Per bucket index: the last description, its tensors (weakly, with their pointers) and
-        # segment bases; reused while the same tensors come back in segments still kept.
-        self._described: dict[int, tuple[list[tuple[weakref.ref[torch.Tensor], int]], dict[str, Any], list[int]]] = {}
+        # Per bucket index: the last descriptions (most recent first, at most DESCRIBED_SETS),
+        # each with its tensors (weakly, with their pointers) and segment bases; reused while the
+        # same tensors come back in segments still kept.
+        self._described: dict[int, list[tuple[list[tuple[weakref.ref[torch.Tensor], int]], dict[str, Any], list[int]]]] = {}
 
     def _persistent(self, t: torch.Tensor) -> bool:
         ref = self._seen.get(id(t))
@@ -183,27 +189,34 @@ class SegmentExporter:
         desc: dict[str, Any] = {"segments": segments, "refs": refs, "pid": os.getpid()}
         if all(seg[2] for seg in segments):
             try:
-                self._described[index] = (
-                    [(weakref.ref(t), t.data_ptr()) for t in tensors], desc, list(position),
-                )
+                entry = ([(weakref.ref(t), t.data_ptr()) for t in tensors], desc, list(position))
             except TypeError:
                 pass
+            else:
+                kept = self._described.setdefault(index, [])
+                kept.insert(0, entry)
+                del kept[DESCRIBED_SETS:]
         return self._with_close(index, desc)
 
     def _reuse(self, index: int, tensors: Sequence[torch.Tensor]) -> dict[str, Any] | None:
-        """The last description of bucket ``index`` if it holds the very same tensors, at the same
-        addresses, in segments still kept (a steady push: no driver call, no lookups)."""
-        hit = self._described.get(index)
-        if hit is None:
+        """A recent description of bucket ``index`` that holds the very same tensors, at the same
+        addresses, in segments still kept (a steady push, or one of two weight sets the trainer
+        alternates between: no driver call, no lookups, the same description object)."""
+        kept = self._described.get(index)
+        if not kept:
             return None
-        refs, desc, bases = hit
-        if len(refs) != len(tensors) or any(b not in self._kept for b in bases):
-            return None
-        for (ref, ptr), t in zip(refs, tensors, strict=True):
-            held = ref()
-            if held is None or held is not t or held.data_ptr() != ptr:
-                return None
-        return desc
+        for i, (refs, desc, bases) in enumerate(kept):
+            if len(refs) != len(tensors) or any(b not in self._kept for b in bases):
+                continue
+            for (ref, ptr), t in zip(refs, tensors, strict=True):
+                held = ref()
+                if held is None or held is not t or held.data_ptr() != ptr:
+                    break
+            else:
+                if i:
+                    kept.insert(0, kept.pop(i))
+                return desc
+        return None
 
     def _with_close(self, index: int, desc: dict[str, Any]) -> dict[str, Any]:
         if self._releasing and self._close_in is None:
@@ -247,9 +260,9 @@ class SegmentImporter:
         self._views: dict[tuple[str, int, str, tuple[int, ...]], torch.Tensor] = {}
         self._seen_now: set[str] = set()
         self._keep_now: set[str] = set()
-        # (bucket index, description JSON) -> (views, segments), for descriptions whose segments
-        # the trainer keeps, within one manifest layout
-        self._by_desc: dict[tuple[int, str], tuple[list[torch.Tensor], list[str]]] = {}
+        # bucket index -> the last descriptions whose segments the trainer keeps (most recent
+        # first, at most DESCRIBED_SETS): (description JSON, views, segments), within one layout
+        self._by_desc: dict[int, list[tuple[str, list[torch.Tensor], list[str]]]] = {}
         self._layout: object = None
 
     def _open(self, handle_hex: str, size: int, local_base: int | None) -> torch.Tensor:
@@ -289,18 +302,20 @@ class SegmentImporter:
         if layout is not self._layout:  # views are per layout: drop the last layout's
             self._by_desc.clear()
             self._layout = layout
-        key = (index, raw)
-        hit = self._by_desc.get(key)
-        if hit is not None:
-            self._seen_now.update(hit[1])
-            self._keep_now.update(hit[1])
-            return hit[0]
+        known = self._by_desc.setdefault(index, [])
+        for i, (text, views, handles) in enumerate(known):
+            if text == raw:
+                if i:
+                    known.insert(0, known.pop(i))
+                self._seen_now.update(handles)
+                self._keep_now.update(handles)
+                return views
         desc = json.loads(raw)
         views = self.views(desc, placements())
         segments = desc["segments"]
         if not desc.get("close") and all(seg[2] for seg in segments):
-            handles = [seg[0] for seg in segments]
-            self._by_desc[key] = (views, handles)
+            known.insert(0, (raw, views, [seg[0] for seg in segments]))
+            del known[DESCRIBED_SETS:]
         return views
 
     def views(self, desc: dict[str, Any], placements: Sequence[Any]) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ import torch
 from ...errors import WeightSyncError
 from ..buckets import BucketHeader
 from ..manifest import TransportSpec, WeightManifest
-from ._cuda_segments import SegmentExporter, SegmentImporter
+from ._cuda_segments import DESCRIBED_SETS, SegmentExporter, SegmentImporter
 from ._slots import SlotReceiver, SlotSender
 from ._store import TRAINER
 
@@ -111,8 +111,9 @@ class CudaIpcSender(SlotSender):
         super().__init__(session_id=session_id, world_size=world_size, timeout_s=timeout_s, options=options)
         self._exporter = SegmentExporter(self._device) if options.get("direct", True) else None
         self._held: dict[int, Sequence[torch.Tensor]] = {}
-        #: Per bucket: the last zero-copy description, its JSON, whether the trainer keeps all of it.
-        self._serialized: dict[int, tuple[Any, str, bool]] = {}
+        #: Per bucket: the last zero-copy descriptions (most recent first), each with its JSON and
+        #: whether the trainer keeps all of it.
+        self._serialized: dict[int, list[tuple[Any, str, bool]]] = {}
 
     # -- zero-copy buckets --
     def share_tensors(self, index: int, tensors: Sequence[torch.Tensor]) -> Any | None:
@@ -122,9 +123,12 @@ class CudaIpcSender(SlotSender):
         self._held[header.index] = tensors  # alive until every receiver copied them
         # Tensors the trainer keeps anyway need no acknowledgement before the push ends; holding
         # temporaries (e.g. gathered shards) for receivers is bounded to two buckets, as slots are.
-        cached = self._serialized.get(header.index)
-        if cached is None or cached[0] is not shared:  # a steady push reuses its descriptions
-            cached = self._serialized[header.index] = (shared, json.dumps(shared), all(s[2] for s in shared["segments"]))
+        known = self._serialized.setdefault(header.index, [])
+        cached = next((c for c in known if c[0] is shared), None)  # a steady push reuses its descriptions
+        if cached is None:
+            cached = (shared, json.dumps(shared), all(s[2] for s in shared["segments"]))
+            known.insert(0, cached)
+            del known[DESCRIBED_SETS:]
         self._publish(header, ack=not cached[2], raw=cached[1])
 
     def _final_ack_needed(self) -> bool:
