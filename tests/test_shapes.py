@@ -65,3 +65,47 @@ def test_unknown_shape_and_nonempty_folder(tmp_path):
     (tmp_path / "b" / "x").write_text("x")
     with pytest.raises(FileExistsError):
         build_shape("tiny", tmp_path / "b")
+
+
+def test_moe_shape_stores_experts_as_qwen3_moe_checkpoints_do(tmp_path):
+    """A mixture-of-experts shape: per-expert tensors under Qwen3-MoE checkpoint names, which
+    transformers loads (fusing the experts) with nothing missing or left over and every expert's
+    values where they belong; the model generates."""
+    from safetensors.torch import load_file
+
+    path = build_shape("tiny-moe", tmp_path / "moe", dtype="float32")
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["num_experts"] == 8 and config["num_experts_per_tok"] == 2
+    names = [n for n, _ in tensor_shapes(shapes.SHAPES["tiny-moe"])]
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
+    assert not any(n.endswith("mlp.gate_proj.weight") for n in names)  # no dense MLP
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(str(path), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    stored: dict[str, torch.Tensor] = {}
+    for f in set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()):
+        stored.update(load_file(str(path / f)))
+    assert set(stored) == set(names)
+    loaded = {n: p.detach() for n, p in model.named_parameters()}
+    prefix = "model.layers.1.mlp."
+    for e in (0, 5):
+        gate, up, down = (stored[f"{prefix}experts.{e}.{k}_proj.weight"] for k in ("gate", "up", "down"))
+        if prefix + "experts.gate_up_proj" in loaded:  # transformers 5: experts fused per layer
+            assert torch.equal(loaded[prefix + "experts.gate_up_proj"][e], torch.cat([gate, up]))
+            assert torch.equal(loaded[prefix + "experts.down_proj"][e], down)
+        else:
+            assert torch.equal(loaded[f"{prefix}experts.{e}.gate_proj.weight"], gate)
+            assert torch.equal(loaded[f"{prefix}experts.{e}.down_proj.weight"], down)
+    out = model.generate(torch.tensor([[11, 12, 13, 14]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 7)
+
+
+def test_qwen3_30b_a3b_shape_is_the_real_models_size():
+    """Qwen3-30B-A3B: 30.5 B parameters over 48 layers of 128 experts (the model card's figures)."""
+    import math
+
+    tensors = tensor_shapes(shapes.SHAPES["qwen3-30b-a3b"])
+    params = sum(math.prod(dims) for _, dims in tensors)
+    assert 30.4e9 < params < 30.6e9
+    assert sum(1 for n, _ in tensors if ".mlp.experts." in n) == 48 * 128 * 3

@@ -52,6 +52,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, Va
 
 from .engine import INIT_GRACE_S, Capabilities, EngineProtocol
 from .errors import (
+    CapabilityError,
     EngineClosed,
     EngineUnavailable,
     InvalidRequest,
@@ -173,10 +174,11 @@ def raise_for_workers(results: Sequence[Mapping[str, Any] | None], what: str, *,
     ``None`` or ``{"ok": True, ...}`` for success, else a :class:`WireError` dict; ``worker`` names
     them in messages).
 
-    Raises the first failure as its own type when that is a :class:`WeightSyncError`, else as a
-    ``WeightSyncError`` naming it. ``applies_weights``: workers that succeeded while others failed
-    leave mismatched shards, so the error is :class:`WeightsInvalidated` (a :class:`ManifestMismatch`
-    is raised before anything is applied and stays itself).
+    Raises the first failure as its own type when that is a :class:`WeightSyncError` or a
+    :class:`CapabilityError` (a worker that cannot do it), else as a ``WeightSyncError`` naming
+    it. ``applies_weights``: workers that succeeded while others failed leave mismatched shards,
+    so the error is :class:`WeightsInvalidated` (a :class:`ManifestMismatch` is raised before
+    anything is applied and stays itself).
     """
     failed = [(rank, r) for rank, r in enumerate(results) if r is not None and not r.get("ok", False)]
     if not failed:
@@ -184,13 +186,13 @@ def raise_for_workers(results: Sequence[Mapping[str, Any] | None], what: str, *,
     rank, first = failed[0]
     wire = WireError.model_validate(first)
     exc = wire.to_exception(f"{worker} {rank}")
-    if not isinstance(exc, WeightSyncError):
+    if not isinstance(exc, WeightSyncError | CapabilityError):  # a refusal stays one (the sender stops waiting)
         exc = WeightSyncError(f"{what} failed in {worker} {rank}: {wire.type}: {wire.message}",
                               peer=wire.peer, bucket=wire.bucket)
     applied = [i for i, r in enumerate(results) if r is None or r.get("ok", False)]
     if applies_weights and applied and not isinstance(exc, ManifestMismatch):
         invalid = WeightsInvalidated(f"{exc} (workers {applied} applied it)")
-        invalid.peer, invalid.bucket = exc.peer, exc.bucket
+        invalid.peer, invalid.bucket = getattr(exc, "peer", None), getattr(exc, "bucket", None)
         exc = invalid
     raise exc
 

@@ -46,18 +46,29 @@ class Shape:
     max_positions: int = 40960
     rope_theta: float = 1_000_000.0
     init_std: float = 0.02
+    #: Mixture of experts (Qwen3-MoE): routed experts per layer (0: a dense MLP), experts each
+    #: token goes to, and each expert's MLP width.
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
 
 
-#: The named shapes (Qwen3 model cards / config.json of Qwen/Qwen3-0.6B, -8B, -14B).
+#: The named shapes (Qwen3 model cards / config.json of Qwen/Qwen3-0.6B, -8B, -14B, -30B-A3B).
 SHAPES: dict[str, Shape] = {
     "tiny": Shape(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=256,
                   tie_word_embeddings=True, vocab_size=4096, max_positions=2048, init_std=0.1),
+    "tiny-moe": Shape(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=256,
+                      tie_word_embeddings=False, vocab_size=4096, max_positions=2048, init_std=0.1,
+                      experts=8, experts_per_token=2, moe_intermediate=64),
     "qwen3-0.6b": Shape(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072,
                         tie_word_embeddings=True),
     "qwen3-8b": Shape(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                       tie_word_embeddings=False),
     "qwen3-14b": Shape(hidden=5120, layers=40, heads=40, kv_heads=8, head_dim=128, intermediate=17408,
                        tie_word_embeddings=False),
+    # 30.5 B parameters (61 GB in bf16), 3.3 B active; 18,900 tensors (128 experts x 3 per layer).
+    "qwen3-30b-a3b": Shape(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, intermediate=6144,
+                           tie_word_embeddings=False, experts=128, experts_per_token=8, moe_intermediate=768),
 }
 
 
@@ -71,7 +82,9 @@ def _qwen3_available() -> bool:
 
 def tensor_shapes(shape: Shape, *, qwen3: bool = True) -> list[tuple[str, tuple[int, ...]]]:
     """Every stored tensor, in parameter order (HF names). Qwen2 has q/k/v biases and no q/k norms;
-    its head dim is ``hidden // heads``."""
+    its head dim is ``hidden // heads``. A mixture-of-experts shape stores each layer's router
+    (``mlp.gate``) and every expert's projections (``mlp.experts.<e>.gate_proj`` ...), as Qwen3-MoE
+    checkpoints do (transformers fuses them on load, vLLM and SGLang read them by these names)."""
     h, inter = shape.hidden, shape.intermediate
     hd = shape.head_dim if qwen3 else h // shape.heads
     q, kv = shape.heads * hd, shape.kv_heads * hd
@@ -87,10 +100,22 @@ def tensor_shapes(shape: Shape, *, qwen3: bool = True) -> list[tuple[str, tuple[
         out += [(p + "self_attn.o_proj.weight", (h, q))]
         if qwen3:
             out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        if shape.experts:
+            e_inter = shape.moe_intermediate
+            out += [(p + "mlp.gate.weight", (shape.experts, h))]
+            for e in range(shape.experts):
+                out += [
+                    (p + f"mlp.experts.{e}.gate_proj.weight", (e_inter, h)),
+                    (p + f"mlp.experts.{e}.up_proj.weight", (e_inter, h)),
+                    (p + f"mlp.experts.{e}.down_proj.weight", (h, e_inter)),
+                ]
+        else:
+            out += [
+                (p + "mlp.gate_proj.weight", (inter, h)),
+                (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter)),
+            ]
         out += [
-            (p + "mlp.gate_proj.weight", (inter, h)),
-            (p + "mlp.up_proj.weight", (inter, h)),
-            (p + "mlp.down_proj.weight", (h, inter)),
             (p + "input_layernorm.weight", (h,)),
             (p + "post_attention_layernorm.weight", (h,)),
         ]
@@ -130,6 +155,13 @@ def _config(shape: Shape, qwen3: bool, dtype: str, special_ids: dict[str, int]) 
     }
     if qwen3:
         config.update(head_dim=shape.head_dim, attention_bias=False)
+    if shape.experts:
+        config.update(
+            architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=shape.experts,
+            num_experts_per_tok=shape.experts_per_token, moe_intermediate_size=shape.moe_intermediate,
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False,
+            router_aux_loss_coef=0.001,
+        )
     return config
 
 
@@ -183,6 +215,8 @@ def build_shape(
     if max(special_ids.values()) >= shape.vocab_size:
         raise ValueError(f"vocab_size {shape.vocab_size} is smaller than the tokenizer's special token ids")
     qwen3 = _qwen3_available()
+    if shape.experts and not qwen3:
+        raise ValueError(f"shape {name!r} is a Qwen3-MoE model; it needs transformers with Qwen3 (pip install -U transformers)")
     torch_type = torch_dtype(dtype)
     final = Path(out_dir).expanduser().resolve()
     with atomic_directory(final) as tmp:

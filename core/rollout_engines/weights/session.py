@@ -113,7 +113,8 @@ async def connect_weight_sync(
     errors = await _gather_cancelling(sender, connect, joins)
     if errors:
         await asyncio.to_thread(sender.close)
-        first = errors[0]
+        # An engine's refusal says why; the sender's wait it cancelled does not.
+        first = next((e for e in errors if isinstance(e, _REFUSALS)), errors[0])
         if isinstance(first, WeightSyncError | NotImplementedError):
             raise first
         raise WeightSyncError(f"could not connect the '{transport}' weight sync: {first!r}") from first

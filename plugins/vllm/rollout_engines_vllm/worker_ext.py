@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from rollout_engines.errors import ManifestMismatch, WeightSyncError
+from rollout_engines.errors import CapabilityError, ManifestMismatch, WeightSyncError
 from rollout_engines.proxy import WireError, raise_for_workers
 from rollout_engines.weights.copy_plan import PlannedLoader
 from rollout_engines.weights.fp8 import SCALE_SUFFIX, Fp8Forms, is_fp8_form, quantize_named, read_block_config
@@ -57,6 +57,13 @@ class VllmWeightTarget:
         from vllm.platforms import current_platform
 
         self.use_reload = current_platform.is_cpu() and hasattr(worker, "reload_weights")
+        if self.use_reload and any(hasattr(m, "w13_weight") for m in model.modules()):
+            raise CapabilityError(
+                "vLLM on the CPU cannot update a mixture-of-experts model's weights in place: its "
+                "reload_weights repacks the experts so that the model answers differently even given "
+                "the very same weights (vLLM's own reload from the checkpoint does it too). Push into "
+                "vLLM on a GPU, or start a new engine from a saved checkpoint"
+            )
         self.use_copy_plan = copy_plan and not self.use_reload
         self.plan = PlannedLoader() if self.use_copy_plan else None
         #: An FP8 block engine (option ``weight_quantization``): pushes come in BF16 (quantized here)
