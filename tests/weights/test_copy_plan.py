@@ -232,3 +232,37 @@ def test_alternating_weight_sets_each_replay_their_own_graph() -> None:
                 assert torch.equal(a, b), (step, name)
     # A and B eager on their first sight, captured on the second (steps 2, 3), replayed after.
     assert plan.copier.replays == 4
+
+
+def test_a_group_seen_before_with_the_same_tensors_skips_the_per_name_work() -> None:
+    """The same bucket views coming back (a steady push) are copied as the group kept the last
+    time, without looking at each name again; the trainer's in-place changes land; one new tensor
+    object in the group makes it go the per-name way again, and land too."""
+    reference, planned = FusedLikeVllm(), FusedLikeVllm()
+    loader = PlannedLoader()
+    loader.apply(_weights(0), planned.load_weights, owned=True)
+    views = [(n, t) for n, t in _bucket_views(_weights(1)) if n != "scale"]
+    per_name: list[str] = []
+    sources = loader.plan._sources
+
+    def counting(name, tensor, *, keep):  # type: ignore[no-untyped-def]
+        per_name.append(name)
+        return sources(name, tensor, keep=keep)
+
+    loader.plan._sources = counting  # type: ignore[method-assign]
+    for step in range(3):
+        per_name.clear()
+        for _, t in views:
+            t.add_(1.0)  # the trainer's step, in place
+        loader.apply(views, planned.load_weights, owned=False)
+        reference.load_weights(views)
+        for (name, a), b in zip(planned.named_parameters(), reference.parameters(), strict=True):
+            if name != "scale":
+                assert torch.equal(a, b), (step, name)
+        assert len(per_name) == (6 if step == 0 else 0), step
+    views[2] = (views[2][0], views[2][1].clone() * 3)  # a new object for 'v'
+    per_name.clear()
+    loader.apply(views, planned.load_weights, owned=False)
+    reference.load_weights(views)
+    assert len(per_name) == 6
+    assert torch.equal(planned.qkv, reference.qkv)

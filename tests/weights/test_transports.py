@@ -192,6 +192,21 @@ async def fails_then_the_same_session_recovers(engine, transport: str, timeout_s
     return info.value
 
 
+async def test_an_iterator_shorter_than_its_specs_fails_naming_the_first_missing_tensor(engine):
+    """A lazy push (``specs=``) whose iterator ends early fails naming the first tensor it never
+    gave, with nothing applied; the same session's next push lands."""
+    before = await outputs(engine)
+    full = list(state(1).items())
+    sync = await connect_weight_sync([engine], "shm", bucket_bytes=BUCKET, timeout_s=30)
+    try:
+        with pytest.raises(WeightSyncError, match=f"ended before '{full[-2][0]}'"):
+            await sync.push(iter(full[:-2]), version=1, specs=specs_of(full))
+        assert await outputs(engine) == before
+        await sync.push(state(1), version=2)
+        assert await outputs(engine) != before
+    finally:
+        await sync.close()
+
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 async def test_receiver_timeout_then_same_session_recovers(engine, transport):
     def slow() -> None:

@@ -34,6 +34,9 @@ logger = logging.getLogger("rollout_engines.weights.copy_plan")
 #: with another, as ``bench push`` does) both stay steady. Each kept set holds its tensors' memory
 #: alive (views of the trainer's memory or of a reused buffer, held anyway).
 VIEW_SETS = 2
+#: Groups kept for :meth:`CopyPlan.replay` (a bucket each: two weight sets of a model in up to
+#: 128 buckets).
+MAX_GROUPS = 256
 
 
 @dataclass
@@ -53,6 +56,13 @@ class CopyPlan:
     #: :data:`VIEW_SETS`): a trainer that alternates between weight sets it keeps finds each set's
     #: views (and the copier its graphs) again.
     _views: dict[str, list[tuple[weakref.ref[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]] = field(
+        default_factory=dict, repr=False
+    )
+    #: Groups of names (a bucket's) applied before with keep on, by the id of their first tensor:
+    #: the group as given and its destination and source lists. The very same tensors coming back
+    #: (a steady push) skip the per-name work, which for a bucket of a mixture-of-experts model
+    #: (hundreds of expert tensors) costs about as long as the GPU takes to copy it.
+    _groups: dict[int, tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor], list[torch.Tensor]]] = field(
         default_factory=dict, repr=False
     )
     #: Copies a bucket's slices (``copier.use_graphs = False`` for eager copies only).
@@ -83,6 +93,8 @@ class CopyPlan:
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         fast = 0
+        if not (keep and self.reuse_views):
+            self._groups.clear()  # new tensors every update: what the groups hold is not coming back
         for name, tensor in named:
             if not self.covers(name, tensor):
                 rest.append((name, tensor))
@@ -98,7 +110,26 @@ class CopyPlan:
                 self.copier.copy(dsts, srcs)
         if rest:
             load_weights(rest)
+        elif dsts and keep and self.reuse_views and isinstance(named, list | tuple):
+            if len(self._groups) >= MAX_GROUPS:
+                del self._groups[next(iter(self._groups))]  # the oldest
+            self._groups[id(named[0][1])] = (list(named), dsts, srcs)
         return fast
+
+    def replay(self, named: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        """Copy ``named`` if it is a group :meth:`apply` kept (the same names with the very same
+        tensors, in the same order): no per-name work. False (nothing done) otherwise."""
+        if not named:
+            return False
+        hit = self._groups.get(id(named[0][1]))
+        if hit is None or len(hit[0]) != len(named):
+            return False
+        for (was_name, was), (name, tensor) in zip(hit[0], named, strict=True):
+            if was is not tensor or was_name != name:
+                return False
+        with torch.no_grad():
+            self.copier.copy(hit[1], hit[2])
+        return True
 
     def _sources(self, name: str, tensor: torch.Tensor, *, keep: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The destination slices and the matching views of ``tensor``. The views are kept while the
@@ -229,6 +260,7 @@ class PlannedLoader:
         """Drop the source views kept for the next update (and the copies captured over them): what
         they view is about to be freed."""
         self.plan._views.clear()
+        self.plan._groups.clear()
         self.plan.copier.forget()
 
     def apply(
@@ -242,6 +274,8 @@ class PlannedLoader:
         views (of a transport slot, of the trainer's memory) that change after this call, so any
         that reach ``load_weights`` are cloned first (a model's loaders may keep what they get)."""
         plan = self.plan
+        if not owned and plan.replay(named):
+            return
         new = [(n, t) for n, t in named if n not in plan.shapes]
         known = [(n, t) for n, t in named if n in plan.shapes]
         if not owned:

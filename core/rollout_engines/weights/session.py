@@ -359,16 +359,18 @@ class WeightSync:
             with bar as advance:
                 for bucket in manifest.buckets:
                     names = [manifest.tensors[i].name for i in bucket.tensors]
-                    while any(n not in pending for n in names):
+                    missing = {n for n in names if n not in pending}  # a set: buckets of thousands of tensors (MoE)
+                    while missing:
                         try:
                             name, tensor = next(items)
                         except StopIteration:
-                            missing = [n for n in names if n not in pending]
+                            first = next(n for n in names if n in missing)
                             raise WeightSyncError(
-                                f"the tensor iterator ended before '{missing[0]}' (named in the specs)",
+                                f"the tensor iterator ended before '{first}' (named in the specs)",
                                 bucket=bucket.index,
                             ) from None
                         pending[name] = tensor  # not detached: a new tensor would hide who else holds it
+                        missing.discard(name)
                     srcs = [pending[n] for n in names]
                     shared = sender.share_tensors(bucket.index, srcs)
                     if shared is not None:  # receivers read the tensors where they lie: no packing
