@@ -39,7 +39,17 @@ def _pytest(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)],
         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+        preexec_fn=_default_signals,  # what the child finds is then the plugin's doing, not the caller's shell's
     )
+
+
+def _default_signals() -> None:
+    """The child starts with default handlers (a shell starting a job in the background leaves
+    SIGQUIT ignored in it, and everything it starts)."""
+    import signal
+
+    for s in (signal.SIGQUIT, signal.SIGUSR2):
+        signal.signal(s, signal.SIG_DFL)
 
 
 def test_nothing_is_installed_when_no_backend_asks(tmp_path: Path) -> None:
