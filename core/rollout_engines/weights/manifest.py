@@ -295,9 +295,13 @@ def validate_manifest(
             )
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        fused = any(t.name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and t.name not in expected
+                    for t in manifest.tensors)
         raise ManifestMismatch(
             f"weight update v{manifest.version} rejected before applying anything: {shown}. "
             "Send tensors named, shaped and typed as the engine's model (HF checkpoint names)"
+            + (". Experts fused by transformers 5 go under their checkpoint names, one per expert: "
+               "push rollout_engines.weights.experts.checkpoint_named(model)" if fused else "")
         )
 
 

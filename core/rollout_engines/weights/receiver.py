@@ -27,6 +27,7 @@ import torch
 from ..errors import ManifestMismatch, WeightsInvalidated, WeightSyncError
 from .buckets import BucketHeader, bucket_views, checksum, checksum_tensors
 from .delta import ReceivedBase, SparseRebuilder, check_base, current_reader, next_base
+from .experts import ExpertSlice, alias_specs, expert_aliases
 from .manifest import ExpectedSpec, TensorSpec, TransportSpec, WeightManifest, validate_manifest
 from .transports.base import TransportReceiver
 
@@ -281,25 +282,35 @@ class StateDictTarget:
     """A :class:`WeightTarget` over a ``torch.nn.Module``'s state dict.
 
     Applying swaps each parameter's storage for the received tensor where the tensor is owned and
-    dtype and device match (no copy; the old storage is freed), and copies otherwise.
+    dtype and device match (no copy; the old storage is freed), and copies otherwise. A
+    transformers model that fuses experts on load (transformers 5 MoE) takes them under its
+    checkpoint's names, one tensor per expert and projection, as vLLM and SGLang do
+    (:mod:`.experts`); each is copied into its slice of the fused parameter.
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self._specs: dict[str, TensorSpec] | None = None
         self._params: dict[str, torch.Tensor] | None = None
+        self._aliases: dict[str, ExpertSlice] | None = None
 
     def current(self, name: str) -> torch.Tensor:
         """The module's tensor under ``name`` as it is now (for sparse delta pushes; read only)."""
         if self._params is None:  # parameters keep their objects when their storage is swapped
             self._params = self.module.state_dict(keep_vars=True)
+        alias = self._aliases.get(name) if self._aliases else None
+        if alias is not None:
+            return alias.of(self._params[alias.param].detach())
         return self._params[name].detach()
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
-        """Every name of the state dict; tied parameters (one tensor under several names, e.g. an
-        embedding shared with the LM head) name each other in ``tied_to``."""
+        """Every name of the state dict (a fused expert parameter: its checkpoint names instead);
+        tied parameters (one tensor under several names, e.g. an embedding shared with the LM head)
+        name each other in ``tied_to``."""
         if self._specs is None:
             state = self.module.state_dict(keep_vars=True)
+            self._aliases = expert_aliases(self.module)
+            fused = {a.param for a in self._aliases.values()} if self._aliases else set()
             names_of: dict[int, list[str]] = {}
             for name, t in state.items():
                 names_of.setdefault(id(t), []).append(name)
@@ -308,14 +319,21 @@ class StateDictTarget:
                     name=name, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape),
                     tied_to=tuple(n for n in names_of[id(t)] if n != name),
                 )
-                for name, t in state.items()
+                for name, t in state.items() if name not in fused
             }
+            for name, (shape, dtype) in alias_specs(self._aliases or {}, state).items():
+                self._specs[name] = ExpectedSpec(name=name, dtype=str(dtype).removeprefix("torch."), shape=shape)
         return self._specs
 
     def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
         params = self.module.state_dict(keep_vars=True)
+        aliases = self._aliases or {}
         with torch.no_grad():
             for name, tensor in named:
+                alias = aliases.get(name)
+                if alias is not None:  # a slice of a fused parameter
+                    alias.of(params[alias.param].data).copy_(tensor)
+                    continue
                 dst = params[name]
                 if owned and tensor.device == dst.device and tensor.dtype == dst.dtype:
                     dst.data = tensor
