@@ -23,6 +23,7 @@ def test_bench_refit_cli(tiny_model):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["backend"] == "transformers" and result["sleep_level"] == 2 and result["cycles"] == 2
+    assert result["warmup_pushes"] == 4  # untimed pushes before the cycles
     for key in ("median_s", "p90_s", "first_cycle_s"):
         assert set(result[key]) == set(PHASES)
         assert all(v >= 0 for v in result[key].values())

@@ -14,6 +14,7 @@ def test_push_benchmark_times_pushes_that_land(tiny_model):
     assert result["perturbed_push_changed_weights"] is True
     assert result["original_push_restored_weights"] is True
     assert result["tensors"] > 10 and result["bytes"] > 1_000_000
+    assert result["warmup_pushes"] == 4 and result["pushes"] == 3  # 4 untimed pushes first
     assert result["phases_median_s"]["push"] == pytest.approx(result["push_s"], rel=0.5)
     # From the engine's diagnostics(): its receiver's own account of each push.
     phases = result["phases_median_s"]

@@ -47,6 +47,11 @@ def model_path(args: Any) -> str:
     return str(tiny_model_path())
 
 
+#: Untimed pushes before a push benchmark's timed ones (``--warmup``): each of the two weight sets
+#: is pushed twice, so every timed push finds it known (mapped, described, copy graphs captured).
+WARMUP_PUSHES = 4
+
+
 def add_push_arguments(parser: argparse.ArgumentParser, *, checksum: str) -> None:
     """The arguments of the benchmarks that push weights into one engine (``push``, ``refit``)."""
     parser.add_argument("--backend", default="vllm")
@@ -54,6 +59,10 @@ def add_push_arguments(parser: argparse.ArgumentParser, *, checksum: str) -> Non
     parser.add_argument("--transport", default=None, help="default: cuda_ipc on a GPU, shm on the CPU")
     parser.add_argument("--bucket-mb", type=float, default=512)
     parser.add_argument("--checksum", default=checksum, choices=["pos64", "sum64", "none"], help="per-bucket checksum")
+    parser.add_argument("--warmup", type=int, default=WARMUP_PUSHES,
+                        help="untimed pushes first, alternating the two weight sets as the timed ones do: the "
+                        "sender learns that the trainer keeps both (zero-copy cuda_ipc maps them for good from "
+                        "their second push) and the engine captures its copies; 0 times from the first push")
     add_option_argument(parser, help="engine option; 'transport.K=V' sets a weight-transport option")
 
 

@@ -1,9 +1,12 @@
 """`rollout-engines bench push --backend B --model M --json`: weight pushes into a running engine.
 
 Seconds per push and GB/s end to end, from ``WeightSync.push`` called to every worker done (and,
-for backends with a prefix cache, the cache reset after it). The first push pays one-time costs
-(a copy plan, IPC mappings); later pushes alternate perturbed and original weights, held by the
-trainer (this process) on the transport's device. ``push_s`` is the median of pushes 2..N.
+for backends with a prefix cache, the cache reset after it). Pushes alternate perturbed and
+original weights, held by the trainer (this process) on the transport's device. The first ones pay
+one-time costs (a copy plan, IPC mappings, the sender learning that the trainer keeps both sets,
+copy graphs), so ``--warmup`` pushes (4) go untimed first (``first_push_s`` is the very first);
+``push_s`` is the median of the ``--pushes`` after them (with ``--warmup 0``: of pushes 2..N, as
+before 2026-12-04).
 
 Correctness is checked on the way with the weights fingerprint of the engine's
 ``diagnostics(fingerprint=True)`` when it makes one (vLLM on CUDA: the workers' parameter sums),
@@ -29,6 +32,7 @@ from typing import Any
 
 from ..types import Diagnostics
 from .common import (
+    WARMUP_PUSHES,
     Fingerprint,
     PushBench,
     add_push_arguments,
@@ -49,9 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "vLLM needs --option enable_lora=true and max_lora_rank >= the rank")
 
 
-def _median_phases(phases: list[dict[str, float]]) -> dict[str, float]:
-    """The median of each phase over the pushes after the first (all, where there is one)."""
-    later = phases[1:] or phases
+def _median_phases(phases: list[dict[str, float]], *, skip_first: bool = True) -> dict[str, float]:
+    """The median of each phase over the pushes (after the first unless ``skip_first`` is false;
+    all, where there is one)."""
+    later = (phases[1:] if skip_first else phases) or phases
     return {k: round(statistics.median(p.get(k, 0.0) for p in later), 6) for k in (phases[0] if phases else {})}
 
 
@@ -84,6 +89,7 @@ def run(args: Any) -> dict[str, Any]:
     bench = PushBench.start(args, checksum="pos64")
     engine, model = bench.engine, bench.model
     pushes = max(1, int(arg(args, "pushes", 6)))
+    warmup = max(0, int(arg(args, "warmup", WARMUP_PUSHES)))
     between = bool(arg(args, "generate_between", False))
     try:
         weights = asyncio.run(push_weights(engine, model, arg(args, "transport", None)))
@@ -95,24 +101,25 @@ def run(args: Any) -> dict[str, Any]:
             start_print = await fingerprint()
             sync = await connect_weight_sync([engine], transport, bucket_bytes=bench.bucket_bytes, timeout_s=600,
                                              checksum=bench.checksum, options=bench.transport_options)
-            times: list[float] = []
+            times: list[float] = []  # every push, the warm-up ones first
             phases: list[dict[str, float]] = []
             copies: list[float] = []
             differs = False
             try:
-                for i in range(pushes):
+                for i in range(warmup + pushes):
                     tensors = changed if i % 2 == 0 else original
                     if weights.device == "cuda":
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     await sync.push(tensors, version=engine.weight_version + 1)
                     times.append(time.perf_counter() - t0)
-                    phases.append(_phases(await engine.diagnostics(), times[-1], sync.last_send_timings))
+                    if i >= warmup:
+                        phases.append(_phases(await engine.diagnostics(), times[-1], sync.last_send_timings))
                     if between:  # as in an RL loop: rollouts fill the prefix cache between pushes
                         await engine.generate(request)
                     if i == 0:
                         differs = await fingerprint() != start_print
-                    if i % 2 == 1 or pushes == 1:  # the same-run baseline, between pushes
+                    if i >= warmup and ((i - warmup) % 2 == 1 or pushes == 1):  # the same-run baseline, between pushes
                         copies.append(memcpy_gbps(weights.total_bytes, weights.device, repeats=2))
                 await sync.push(original, version=engine.weight_version + 1)
                 same = await fingerprint() == start_print
@@ -123,7 +130,8 @@ def run(args: Any) -> dict[str, Any]:
         times, phases, differs, same, copies = asyncio.run(go())
     finally:
         asyncio.run(engine.close())
-    later = times[1:] or times
+    # Timed: the pushes after the warm-up (without one, after the first push, which maps memory).
+    later = times[warmup:] if warmup else (times[1:] or times)
     total_bytes = weights.total_bytes
     push_s = statistics.median(later)
     return {
@@ -135,6 +143,7 @@ def run(args: Any) -> dict[str, Any]:
         "tensors": len(original),
         "bucket_bytes": bench.bucket_bytes,
         "pushes": pushes,
+        "warmup_pushes": warmup,
         "first_push_s": round(times[0], 4),
         "push_s": round(push_s, 4),
         "best_push_s": round(min(later), 4),
@@ -149,7 +158,7 @@ def run(args: Any) -> dict[str, Any]:
         "options": bench.options,
         "transport_options": bench.transport_options,
         "generate_between_pushes": between,
-        "phases_median_s": _median_phases(phases),
+        "phases_median_s": _median_phases(phases, skip_first=not warmup),
     }
 
 
