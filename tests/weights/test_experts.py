@@ -55,6 +55,13 @@ def test_checkpoint_named_gives_the_checkpoint_as_views_of_the_fused_parameters(
     with torch.no_grad():
         fused.mul_(2)  # the trainer's step, in place: the views see it
     assert torch.equal(up, stored["model.layers.1.mlp.experts.6.up_proj.weight"] * 2)
+    again = checkpoint_named(model)  # the same objects (a zero-copy push reuses its descriptions)
+    assert all(again[n] is named[n] for n in named)
+    fused.data = fused.data.clone()  # moved (e.g. re-sharded): new views of the new memory
+    moved = checkpoint_named(model)
+    assert moved["model.layers.1.mlp.experts.6.up_proj.weight"] is not up
+    assert moved["model.layers.1.mlp.experts.6.up_proj.weight"].data_ptr() != up.data_ptr()
+    assert moved["model.layers.0.mlp.experts.6.up_proj.weight"] is named["model.layers.0.mlp.experts.6.up_proj.weight"]
 
 
 def test_a_dense_model_keeps_its_state_dict_names(tiny_model):

@@ -20,6 +20,7 @@ parameters' names (``expert_aliases`` returns ``None``).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,16 +109,52 @@ def checkpoint_named(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
         await sync.push(checkpoint_named(model), version=step)
 
-    Views share the parameters' memory (nothing is copied); for a model that fuses nothing this is
-    ``model.state_dict()``."""
-    state = model.state_dict()
-    aliases = expert_aliases(model)
-    if not aliases:
-        return state
-    fused = {a.param for a in aliases.values()}
-    out = {n: t for n, t in state.items() if n not in fused}
-    out.update({n: a.of(state[a.param]) for n, a in aliases.items()})
-    return out
+    Every tensor is a detached view of the model's own memory (nothing is copied), and the same
+    tensor objects come back on every call while the parameters stay where they are (an optimizer
+    updates them in place): a zero-copy ``cuda_ipc`` push then reuses its descriptions of them.
+    For a model that fuses nothing this is the state dict's tensors."""
+    aliases = _aliases_of(model)
+    state = model.state_dict(keep_vars=True)
+    try:
+        kept = _VIEWS.setdefault(model, {})
+    except TypeError:  # not weak-referenceable: nothing kept
+        kept = {}
+
+    def view(name: str, source: torch.Tensor, make: Any) -> torch.Tensor:
+        hit = kept.get(name)
+        if hit is not None and hit[0] is source and hit[1] == source.data_ptr():
+            return hit[2]
+        out = make(source.detach())
+        kept[name] = (source, source.data_ptr(), out)
+        return out
+
+    fused = {a.param for a in aliases.values()} if aliases else set()
+    named = {n: view(n, t, _same) for n, t in state.items() if n not in fused}
+    for n, a in (aliases or {}).items():
+        named[n] = view(n, state[a.param], a.of)
+    return named
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+#: Per model: its aliases (computed once: the model's structure does not change), and the views
+#: :func:`checkpoint_named` handed out, by name, with the tensor and address each was made from.
+_ALIASES: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, ExpertSlice] | None] = weakref.WeakKeyDictionary()
+_VIEWS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[torch.Tensor, int, torch.Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _aliases_of(model: torch.nn.Module) -> dict[str, ExpertSlice] | None:
+    try:
+        if model in _ALIASES:
+            return _ALIASES[model]
+    except TypeError:
+        return expert_aliases(model)
+    aliases = _ALIASES[model] = expert_aliases(model)
+    return aliases
 
 
 def alias_specs(aliases: dict[str, ExpertSlice], state: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
