@@ -29,7 +29,9 @@ def test_sigquit_guard_protects_while_an_engine_is_registered_and_not_after():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", GUARD_SCRIPT], capture_output=True, text=True, timeout=60)
+    # From SIGQUIT's default action, whatever the caller left (a shell's background job has it ignored).
+    proc = subprocess.run([sys.executable, "-c", GUARD_SCRIPT], capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGQUIT, signal.SIG_DFL))
     assert "survived [1]" in proc.stdout, proc.stderr
     assert "still alive" not in proc.stdout
     assert proc.returncode == -signal.SIGQUIT
