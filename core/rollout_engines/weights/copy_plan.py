@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .copies import SteadyCopier
+from .recent import Recent
 
 logger = logging.getLogger("rollout_engines.weights.copy_plan")
 
@@ -55,7 +56,7 @@ class CopyPlan:
     #: Per name, the source views of the last updates' tensors (most recent first, at most
     #: :data:`VIEW_SETS`): a trainer that alternates between weight sets it keeps finds each set's
     #: views (and the copier its graphs) again.
-    _views: dict[str, list[tuple[weakref.ref[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]] = field(
+    _views: dict[str, Recent[tuple[weakref.ref[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]] = field(
         default_factory=dict, repr=False
     )
     #: Groups of names (a bucket's) applied before with keep on, by the id of their first tensor:
@@ -138,12 +139,9 @@ class CopyPlan:
         push builds no views at all, and the copier sees the same source objects (what lets it
         replay a graph)."""
         kept = self._views.get(name)
-        if kept:
-            for i, hit in enumerate(kept):
-                if hit[0]() is tensor:
-                    if i:
-                        kept.insert(0, kept.pop(i))
-                    return hit[1], hit[2]
+        hit = kept.find(lambda entry: entry[0]() is tensor) if kept is not None else None
+        if hit is not None:
+            return hit[1], hit[2]
         copies = self.copies[name]
         dsts = [c.dst for c in copies]
         srcs = [tensor.as_strided(c.size, c.stride, tensor.storage_offset() + c.offset) for c in copies]
@@ -155,9 +153,8 @@ class CopyPlan:
         except TypeError:
             return dsts, srcs
         if kept is None:
-            kept = self._views[name] = []
-        kept.insert(0, entry)
-        del kept[VIEW_SETS:]
+            kept = self._views[name] = Recent(VIEW_SETS)
+        kept.add(entry)
         return dsts, srcs
 
 

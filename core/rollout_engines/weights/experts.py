@@ -115,10 +115,7 @@ def checkpoint_named(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     For a model that fuses nothing this is the state dict's tensors."""
     aliases = _aliases_of(model)
     state = model.state_dict(keep_vars=True)
-    try:
-        kept = _VIEWS.setdefault(model, {})
-    except TypeError:  # not weak-referenceable: nothing kept
-        kept = {}
+    kept = _VIEWS.setdefault(model, {})
 
     def view(name: str, source: torch.Tensor, make: Any) -> torch.Tensor:
         hit = kept.get(name)
@@ -129,14 +126,10 @@ def checkpoint_named(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return out
 
     fused = {a.param for a in aliases.values()} if aliases else set()
-    named = {n: view(n, t, _same) for n, t in state.items() if n not in fused}
+    named = {n: view(n, t, lambda d: d) for n, t in state.items() if n not in fused}
     for n, a in (aliases or {}).items():
         named[n] = view(n, state[a.param], a.of)
     return named
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 #: Per model: its aliases (computed once: the model's structure does not change), and the views
@@ -148,13 +141,9 @@ _VIEWS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[torch.Tensor,
 
 
 def _aliases_of(model: torch.nn.Module) -> dict[str, ExpertSlice] | None:
-    try:
-        if model in _ALIASES:
-            return _ALIASES[model]
-    except TypeError:
-        return expert_aliases(model)
-    aliases = _ALIASES[model] = expert_aliases(model)
-    return aliases
+    if model not in _ALIASES:
+        _ALIASES[model] = expert_aliases(model)
+    return _ALIASES[model]
 
 
 def alias_specs(aliases: dict[str, ExpertSlice], state: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ...errors import WeightSyncError
+from ..recent import Recent
 
 logger = logging.getLogger("rollout_engines.weights")
 
@@ -127,7 +128,7 @@ class SegmentExporter:
         # Per bucket index: the last descriptions (most recent first, at most DESCRIBED_SETS),
         # each with its tensors (weakly, with their pointers) and segment bases; reused while the
         # same tensors come back in segments still kept.
-        self._described: dict[int, list[tuple[list[tuple[weakref.ref[torch.Tensor], int]], dict[str, Any], list[int]]]] = {}
+        self._described: dict[int, Recent[tuple[list[tuple[weakref.ref[torch.Tensor], int]], dict[str, Any], list[int]]]] = {}
 
     def _persistent(self, t: torch.Tensor) -> bool:
         ref = self._seen.get(id(t))
@@ -193,9 +194,7 @@ class SegmentExporter:
             except TypeError:
                 pass
             else:
-                kept = self._described.setdefault(index, [])
-                kept.insert(0, entry)
-                del kept[DESCRIBED_SETS:]
+                self._described.setdefault(index, Recent(DESCRIBED_SETS)).add(entry)
         return self._with_close(index, desc)
 
     def _reuse(self, index: int, tensors: Sequence[torch.Tensor]) -> dict[str, Any] | None:
@@ -203,20 +202,21 @@ class SegmentExporter:
         addresses, in segments still kept (a steady push, or one of two weight sets the trainer
         alternates between: no driver call, no lookups, the same description object)."""
         kept = self._described.get(index)
-        if not kept:
+        if kept is None:
             return None
-        for i, (refs, desc, bases) in enumerate(kept):
+
+        def holds(entry: tuple[list[tuple[weakref.ref[torch.Tensor], int]], dict[str, Any], list[int]]) -> bool:
+            refs, _, bases = entry
             if len(refs) != len(tensors) or any(b not in self._kept for b in bases):
-                continue
+                return False
             for (ref, ptr), t in zip(refs, tensors, strict=True):
                 held = ref()
                 if held is None or held is not t or held.data_ptr() != ptr:
-                    break
-            else:
-                if i:
-                    kept.insert(0, kept.pop(i))
-                return desc
-        return None
+                    return False
+            return True
+
+        hit = kept.find(holds)
+        return None if hit is None else hit[1]
 
     def _with_close(self, index: int, desc: dict[str, Any]) -> dict[str, Any]:
         if self._releasing and self._close_in is None:
@@ -262,7 +262,7 @@ class SegmentImporter:
         self._keep_now: set[str] = set()
         # bucket index -> the last descriptions whose segments the trainer keeps (most recent
         # first, at most DESCRIBED_SETS): (description JSON, views, segments), within one layout
-        self._by_desc: dict[int, list[tuple[str, list[torch.Tensor], list[str]]]] = {}
+        self._by_desc: dict[int, Recent[tuple[str, list[torch.Tensor], list[str]]]] = {}
         self._layout: object = None
 
     def _open(self, handle_hex: str, size: int, local_base: int | None) -> torch.Tensor:
@@ -302,20 +302,17 @@ class SegmentImporter:
         if layout is not self._layout:  # views are per layout: drop the last layout's
             self._by_desc.clear()
             self._layout = layout
-        known = self._by_desc.setdefault(index, [])
-        for i, (text, views, handles) in enumerate(known):
-            if text == raw:
-                if i:
-                    known.insert(0, known.pop(i))
-                self._seen_now.update(handles)
-                self._keep_now.update(handles)
-                return views
+        known = self._by_desc.setdefault(index, Recent(DESCRIBED_SETS))
+        hit = known.find(lambda entry: entry[0] == raw)
+        if hit is not None:
+            self._seen_now.update(hit[2])
+            self._keep_now.update(hit[2])
+            return hit[1]
         desc = json.loads(raw)
         views = self.views(desc, placements())
         segments = desc["segments"]
         if not desc.get("close") and all(seg[2] for seg in segments):
-            known.insert(0, (raw, views, [seg[0] for seg in segments]))
-            del known[DESCRIBED_SETS:]
+            known.add((raw, views, [seg[0] for seg in segments]))
         return views
 
     def views(self, desc: dict[str, Any], placements: Sequence[Any]) -> list[torch.Tensor]:

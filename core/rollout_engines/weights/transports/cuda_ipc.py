@@ -32,6 +32,7 @@ import torch
 from ...errors import WeightSyncError
 from ..buckets import BucketHeader
 from ..manifest import TransportSpec, WeightManifest
+from ..recent import Recent
 from ._cuda_segments import DESCRIBED_SETS, SegmentExporter, SegmentImporter
 from ._slots import SlotReceiver, SlotSender
 from ._store import TRAINER
@@ -113,7 +114,7 @@ class CudaIpcSender(SlotSender):
         self._held: dict[int, Sequence[torch.Tensor]] = {}
         #: Per bucket: the last zero-copy descriptions (most recent first), each with its JSON and
         #: whether the trainer keeps all of it.
-        self._serialized: dict[int, list[tuple[Any, str, bool]]] = {}
+        self._serialized: dict[int, Recent[tuple[Any, str, bool]]] = {}
 
     # -- zero-copy buckets --
     def share_tensors(self, index: int, tensors: Sequence[torch.Tensor]) -> Any | None:
@@ -123,12 +124,10 @@ class CudaIpcSender(SlotSender):
         self._held[header.index] = tensors  # alive until every receiver copied them
         # Tensors the trainer keeps anyway need no acknowledgement before the push ends; holding
         # temporaries (e.g. gathered shards) for receivers is bounded to two buckets, as slots are.
-        known = self._serialized.setdefault(header.index, [])
-        cached = next((c for c in known if c[0] is shared), None)  # a steady push reuses its descriptions
+        known = self._serialized.setdefault(header.index, Recent(DESCRIBED_SETS))
+        cached = known.find(lambda c: c[0] is shared)  # a steady push reuses its descriptions
         if cached is None:
-            cached = (shared, json.dumps(shared), all(s[2] for s in shared["segments"]))
-            known.insert(0, cached)
-            del known[DESCRIBED_SETS:]
+            cached = known.add((shared, json.dumps(shared), all(s[2] for s in shared["segments"])))
         self._publish(header, ack=not cached[2], raw=cached[1])
 
     def _final_ack_needed(self) -> bool:
