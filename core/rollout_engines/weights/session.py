@@ -313,7 +313,6 @@ class WeightSync:
         # The sender first: it describes or packs the first buckets while the manifest travels to
         # the engines (a process hop or a request), so receivers find them waiting.
         self.sender.cancelled.clear()
-        self.last_send_timings = {}
         sending = asyncio.ensure_future(asyncio.to_thread(self._stream, manifest, iter(items), start))
         receivers = [asyncio.ensure_future(e.receive_weights(manifest)) for e in self.engines]
         await _gather_cancelling(self.sender, sending, receivers)
