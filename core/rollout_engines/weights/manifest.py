@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -340,7 +340,7 @@ def missing_names(manifest: WeightManifest, expected: Mapping[str, TensorSpec]) 
     )
 
 
-def specs_of(named: Sequence[tuple[str, Any]]) -> list[TensorSpec]:
+def specs_of(named: Iterable[tuple[str, Any]]) -> list[TensorSpec]:
     """TensorSpecs of ``(name, torch.Tensor)`` pairs (metadata only; no data is touched)."""
     return [TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape)) for n, t in named]
 

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -281,26 +281,38 @@ class WeightSync:
         partial: bool = False, allow_rollback: bool = False, delta: DeltaSpec | None = None, lora: LoraSpec | None = None,
     ) -> tuple[WeightManifest, Iterable[tuple[str, torch.Tensor]]]:
         """The manifest of update ``version`` of ``items`` (described by ``specs``, or by the tensors
-        themselves), and the items (listed, where the tensors described them). The same tensors as
+        themselves), and the items (listed where they were a one-pass iterable). The same tensors as
         the last update (names, dtypes, shapes): the same layout with the new version and flags,
         without planning and validating it again (milliseconds for a few hundred tensors, every
         push; a copy costs microseconds)."""
         if specs is None:
-            items = list(items)
-            key: tuple[Any, ...] = tuple((n, t.dtype, t.shape) for n, t in items)
+            if not isinstance(items, Collection):  # a generator: listed (references only)
+                items = list(items)
+            listed: Collection[tuple[str, torch.Tensor]] = items
+            count = len(listed)
+
+            def rows() -> Iterator[tuple[Any, ...]]:
+                return ((n, t.dtype, t.shape) for n, t in listed)
         else:
-            key = tuple((s.name, s.dtype, s.shape) for s in specs)
+            described, count = specs, len(specs)
+
+            def rows() -> Iterator[tuple[Any, ...]]:
+                return ((s.name, s.dtype, s.shape) for s in described)
         flags: dict[str, Any] = {"partial": partial, "allow_rollback": allow_rollback, "delta": delta, "lora": lora}
-        if self._layout is not None and self._layout[0] == key:
-            manifest = self._layout[1].model_copy(update={"version": version, "session_id": uuid.uuid4().hex, **flags})
+        # Compared row by row, each row freed at once: a push keeps no object per tensor alive (a
+        # kept key per push, ~10k tuples for a MoE model, set off Python's full collections, each
+        # a pause of tens of milliseconds, every few pushes). A mapping's items are read twice.
+        layout = self._layout
+        if layout is not None and len(layout[0]) == count and all(a == b for a, b in zip(layout[0], rows(), strict=True)):
+            manifest = layout[1].model_copy(update={"version": version, "session_id": uuid.uuid4().hex, **flags})
         else:
             if specs is None:
-                specs = specs_of(items)  # type: ignore[arg-type]  # listed above
+                specs = specs_of(listed)
             manifest = plan_manifest(
                 specs, version=version, bucket_bytes=self.bucket_bytes, transport=self.transport,
                 timeout_s=self.timeout_s, checksum=self.checksum, **flags,
             )
-            self._layout = (key, manifest)
+            self._layout = (tuple(rows()), manifest)
             self._expected = {}
         return manifest, items
 
