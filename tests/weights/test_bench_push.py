@@ -16,6 +16,10 @@ def test_push_benchmark_times_pushes_that_land(tiny_model):
     assert result["tensors"] > 10 and result["bytes"] > 1_000_000
     assert result["warmup_pushes"] == 4 and result["pushes"] == 3  # 4 untimed pushes first
     assert result["phases_median_s"]["push"] == pytest.approx(result["push_s"], rel=0.5)
+    # every timed push, in order: the median, best and p90 are of these
+    times = result["push_times_s"]
+    assert len(times) == 3 and min(times) == result["best_push_s"] and max(times) == result["push_p90_s"]
+    assert sorted(times)[1] == result["push_s"]
     # From the engine's diagnostics(): its receiver's own account of each push.
     phases = result["phases_median_s"]
     assert 0 < phases["worker_total"] <= phases["push"] and {"worker_wait", "worker_apply"} <= set(phases)

@@ -4,6 +4,7 @@ weights) the weights to push and the check that a push landed."""
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,6 +17,12 @@ if TYPE_CHECKING:
 
 #: The prefix of ``--option`` keys that go to the weight transport instead of the engine.
 TRANSPORT_PREFIX = "transport."
+
+
+def p90(values: list[float]) -> float:
+    """Nearest-rank 90th percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
 def arg(args: Any, name: str, default: Any) -> Any:

@@ -6,7 +6,8 @@ original weights, held by the trainer (this process) on the transport's device. 
 one-time costs (a copy plan, IPC mappings, the sender learning that the trainer keeps both sets,
 copy graphs), so ``--warmup`` pushes (4) go untimed first (``first_push_s`` is the very first);
 ``push_s`` is the median of the ``--pushes`` after them (with ``--warmup 0``: of pushes 2..N, as
-before 2026-12-04).
+before 2026-12-04), ``push_p90_s`` their nearest-rank 90th percentile and ``push_times_s`` each of
+them in order (a full collection of Python's collector, a slow machine: the tail shows it).
 
 Correctness is checked on the way with the weights fingerprint of the engine's
 ``diagnostics(fingerprint=True)`` when it makes one (vLLM on CUDA: the workers' parameter sums),
@@ -38,6 +39,7 @@ from .common import (
     add_push_arguments,
     arg,
     memcpy_gbps,
+    p90,
     push_weights,
 )
 
@@ -147,6 +149,8 @@ def run(args: Any) -> dict[str, Any]:
         "first_push_s": round(times[0], 4),
         "push_s": round(push_s, 4),
         "best_push_s": round(min(later), 4),
+        "push_p90_s": round(p90(later), 4),
+        "push_times_s": [round(t, 4) for t in later],
         "gbps": round(total_bytes / push_s / 1e9, 2),
         "best_gbps": round(total_bytes / min(later) / 1e9, 2),
         "device_copy_gbps": round(max(copies), 2),

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import statistics
 import time
 from typing import Any
@@ -37,6 +36,7 @@ from .common import (
     PushBench,
     add_push_arguments,
     arg,
+    p90,
     push_weights,
 )
 
@@ -47,12 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_push_arguments(parser, checksum="none")
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--level", type=int, default=2, help="sleep level")
-
-
-def _p90(values: list[float]) -> float:
-    """Nearest-rank 90th percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -145,7 +139,7 @@ def run(args: Any) -> dict[str, Any]:
         "bucket_bytes": bench.bucket_bytes,
         "checksum": bench.checksum,
         "median_s": {p: round(statistics.median(r[p] for r in later), 6) for p in PHASES},
-        "p90_s": {p: round(_p90([r[p] for r in later]), 6) for p in PHASES},
+        "p90_s": {p: round(p90([r[p] for r in later]), 6) for p in PHASES},
         "first_cycle_s": {p: round(rows[0][p], 6) for p in PHASES},
         "push_phases_median_s": {
             k: round(statistics.median(p[k] for p in (push_phases[1:] or push_phases)), 6) for k in push_phases[0]
