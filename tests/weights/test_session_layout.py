@@ -17,7 +17,8 @@ def _sync() -> WeightSync:
 
 
 def _collections_during(fn, threshold: int = 100) -> tuple[int, object]:
-    """Young-generation collections started while ``fn`` runs, with a low threshold."""
+    """Collections (of any generation) started while ``fn`` runs, with a young-generation threshold
+    of ``threshold`` allocations."""
     seen = []
 
     def callback(phase: str, info: dict) -> None:
