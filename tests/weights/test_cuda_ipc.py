@@ -13,7 +13,36 @@ from rollout_engines.weights.manifest import TransportSpec, plan_manifest, specs
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 
-def receiver_main(conn, spec: dict, shapes: dict) -> None:
+class ForwardingTarget:
+    """A target that takes every even bucket the sender shared without packing through
+    ``apply_shared`` (as SGLang's relay forwards them), recording what it got, and leaves the odd
+    ones to ``apply``."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.forwarded = inner, []
+
+    def expected_specs(self):
+        return self.inner.expected_specs()
+
+    def apply(self, named, *, owned):
+        self.inner.apply(named, owned=owned)
+
+    def apply_shared(self, index, placements, shared):
+        import json
+
+        from rollout_engines.weights.transports.cuda_ipc import device_uuid
+
+        if index % 2:
+            return False
+        desc = json.loads(shared.description)
+        assert len(desc["refs"]) == len(placements) == len(shared)
+        assert shared.device_uuid == device_uuid(torch.device("cuda:0"))
+        self.forwarded.append(index)
+        self.inner.apply([(p.name, t) for p, t in zip(placements, shared, strict=True)], owned=False)
+        return True
+
+
+def receiver_main(conn, spec: dict, shapes: dict, forward: bool = False) -> None:
     from rollout_engines.weights.manifest import WeightManifest
     from rollout_engines.weights.receiver import WeightReceiver
 
@@ -26,7 +55,8 @@ def receiver_main(conn, spec: dict, shapes: dict) -> None:
     from rollout_engines.weights.receiver import StateDictTarget
 
     module = Params()
-    receiver = WeightReceiver(StateDictTarget(module), device="cuda:0", mode="inplace")
+    target = ForwardingTarget(StateDictTarget(module)) if forward else StateDictTarget(module)
+    receiver = WeightReceiver(target, device="cuda:0", mode="inplace")
     receiver.connect(TransportSpec(**spec))
     conn.send("connected")
     while True:
@@ -35,12 +65,12 @@ def receiver_main(conn, spec: dict, shapes: dict) -> None:
             break
         receiver.receive(WeightManifest(**manifest))
         sums = {n: float(p.double().sum()) for n, p in module.named_parameters()}
-        conn.send((sums, receiver.transport.opened))
+        conn.send((sums, receiver.transport.opened if not forward else target.forwarded))
     receiver.close()
 
 
 @contextlib.asynccontextmanager
-async def receiver_process(state: dict, options: dict):
+async def receiver_process(state: dict, options: dict, forward: bool = False):
     """A sender in this process and a receiver process holding parameters shaped like ``state``;
     yields ``push(named, version) -> (parameter sums there, IPC handles it opened so far)``."""
     from rollout_engines.plugins import get_registry
@@ -52,7 +82,8 @@ async def receiver_process(state: dict, options: dict):
                          options=sender.spec_options())
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(child, spec.model_dump(), {n: tuple(t.shape) for n, t in state.items()}))
+    shapes = {n: tuple(t.shape) for n, t in state.items()}
+    proc = ctx.Process(target=receiver_main, args=(child, spec.model_dump(), shapes, forward))
     proc.start()
     try:
         sender.connect()
@@ -160,6 +191,28 @@ async def test_two_kept_weight_sets_pushed_in_turn_reuse_their_descriptions():
         # them as kept; 5 and 6 send those descriptions again.
         assert sent[4] == sent[2] and sent[5] == sent[3] and sent[2] != sent[3]
         assert opened[3] == opened[5]  # both sets' segments stay mapped
+
+
+async def test_a_target_may_take_shared_buckets_by_their_description():
+    """``WeightTarget.apply_shared``: a bucket of the trainer's own tensors comes with the trainer's
+    description of their memory (what a host forwards to another process); a target that takes
+    it gets no ``apply`` for it, one that declines gets the views as before; every push lands
+    (checked by the parameters' sums). Packed buckets (``direct: False``) never reach it."""
+    from rollout_engines.weights.transports import _cuda_segments
+
+    if not _cuda_segments.available():
+        pytest.skip("zero-copy cuda_ipc needs cuda-bindings")
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(256, 1024, device="cuda:0") for i in range(16)}  # 16 MiB: 4 buckets
+    async with receiver_process(state, {}, forward=True) as push:
+        for version in (1, 2):
+            _, forwarded = await push(state, version)
+            assert forwarded == [0, 2] * version  # even buckets forwarded, odd ones applied
+        _, forwarded = await push({n: -t for n, t in state.items()}, 3)  # temporaries: shared too
+        assert forwarded == [0, 2] * 3
+    async with receiver_process(state, {"direct": False}, forward=True) as push:
+        _, forwarded = await push(state, 1)
+        assert forwarded == []
 
 
 @pytest.mark.transformers

@@ -54,6 +54,14 @@ class WeightTarget(Protocol):
     # Optional: ``current(name) -> torch.Tensor``, the model's tensor under ``name`` as it is now
     # (read only). Targets that have it take sparse delta pushes (see :mod:`.delta`).
 
+    # Optional: ``apply_shared(index, placements, shared) -> bool``, for a bucket the sender shared
+    # without packing whose views carry the sender's description (``cuda_ipc``'s
+    # :class:`~.transports.cuda_ipc.SharedViews`): the target loads it some other way (e.g. hands
+    # the description to another process that opens the same memory) and returns True, or returns
+    # False and gets the views through ``apply``. Called in ``inplace`` mode only, for full
+    # tensors (not a sparse delta's pieces), after the bucket's checksum was checked; the memory
+    # may be read until the call returns.
+
 
 def open_receiver(spec: TransportSpec, *, rank: int, device: torch.device | str) -> TransportReceiver:
     from ..plugins import get_registry
@@ -153,6 +161,7 @@ class WeightReceiver:
             except ManifestMismatch as exc:
                 rejection = exc
         sparse = SparseRebuilder(manifest, current) if manifest.delta is not None and manifest.delta.sparse else None
+        forward = getattr(target, "apply_shared", None)
         spent["validate"] = clock() - start
         transport.begin(manifest)
         staged: list[tuple[str, torch.Tensor]] = []
@@ -190,7 +199,10 @@ class WeightReceiver:
                         applied_any = True
                         if self._timeline:
                             events.append(_record_start())
-                        if views:
+                        if views and not (
+                            forward is not None and sparse is None and hasattr(buf, "description")
+                            and forward(bucket.index, placements, buf)
+                        ):
                             target.apply(views, owned=owned)
                         if rebuilt:
                             target.apply(rebuilt, owned=True)

@@ -923,9 +923,9 @@ class SglangEngine(Engine):
         return self._forms is not None and specs is self._forms.bf16
 
     @staticmethod
-    async def _release_staging(t: _Transfer | None) -> None:
+    async def _release_staging(t: _Transfer | None, *, shared: bool = False) -> None:
         if t is not None and t.receiver is not None and isinstance(t.receiver.target, _RelayTarget):
-            await t.receiver.target.release()
+            await t.receiver.target.release(shared=shared)
 
     async def _receive_lora(self, manifest: WeightManifest) -> None:
         """Receive an adapter through the weight transfer and load it into SGLang (:mod:`.lora`)."""
@@ -946,7 +946,7 @@ class SglangEngine(Engine):
             except Exception:  # the group may be gone with a failed trainer
                 logger.debug("destroy_weights_update_group failed", exc_info=True)
         if t.receiver is not None:
-            await self._release_staging(t)
+            await self._release_staging(t, shared=True)
             await asyncio.to_thread(t.receiver.close)
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -1018,7 +1018,12 @@ FORGET_TIMEOUT_S = 60.0
 
 class _RelayTarget:
     """A WeightTarget that hands every received bucket to SGLang over CUDA IPC: to the plugin's
-    copy-plan loader where SGLang runs it, else as SGLang's flattened bucket (see :mod:`.payloads`)."""
+    copy-plan loader where SGLang runs it, else as SGLang's flattened bucket (see :mod:`.payloads`).
+
+    A bucket of the trainer's own tensors shared without packing (``cuda_ipc``) is forwarded, not
+    staged, where SGLang runs the loader with one TP rank that can open the trainer's memory on
+    its GPU (asked once, see :data:`.loader.PROBE`) and nothing is quantized here: the loader then
+    reads the trainer's memory itself (:func:`.loader.shared_views`)."""
 
     def __init__(self, engine: SglangEngine, device: str) -> None:
         import torch
@@ -1035,9 +1040,44 @@ class _RelayTarget:
         use_loader = engine.options.copy_plan and LOADER in runtime.weight_loaders
         self.load_format = LOADER if use_loader else "flattened_bucket"
         self._sent_buffer: Any = None  # the staging buffer SGLang's loader was last sent
+        self._forwards: bool | None = None  # whether buckets are forwarded (None: not asked yet)
+        self._token: Any = None  # the tensor of a forwarded bucket's payload (not read)
+        #: Buckets forwarded to SGLang's loader so far (read by tests and benchmarks).
+        self.forwarded = 0
+        self._mapped = False  # whether SGLang's loader may hold the trainer's memory open
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
         return self.specs
+
+    def _call(self, payloads: list[bytes]) -> None:
+        assert self.loop is not None
+        future = asyncio.run_coroutine_threadsafe(self.engine.runtime.update_from_tensor(payloads, self.load_format), self.loop)
+        future.result()  # SGLang has loaded the bucket when this returns
+
+    def apply_shared(self, index: int, placements: Sequence[Any], shared: Any) -> bool:
+        """Forward a zero-copy bucket to SGLang's loader (see the class docstring); False: stage it."""
+        from .loader import LOADER, PROBE, shared_name
+
+        runtime = self.engine.runtime
+        if self.load_format != LOADER or runtime.tp_size != 1 or self.engine._quantizes(self.specs):
+            return False
+        if self._forwards is None:
+            import torch
+
+            self._token = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            try:
+                self._call([runtime.serialize([(PROBE + shared.device_uuid, self._token)])])
+                self._forwards = True
+            except Exception as exc:  # noqa: BLE001 - any refusal means: stage instead
+                logger.info("sglang: staging relayed buckets (SGLang's loader cannot read the trainer's memory: %s)", exc)
+                self._forwards, self._token = False, None
+        if not self._forwards:
+            return False
+        name = shared_name(index, shared.device_uuid, shared.description, placements)
+        self._mapped = True
+        self._call([runtime.serialize([(name, self._token)])])
+        self.forwarded += 1
+        return True
 
     def apply(self, named: Sequence[tuple[str, Any]], *, owned: bool) -> None:
         from .payloads import Stager, loader_payloads, serialize_per_rank
@@ -1066,27 +1106,33 @@ class _RelayTarget:
             self._sent_buffer = self._stager.buffer
             payloads = loader_payloads(staged.flat, staged.metadata, runtime.tp_size, runtime.serialize,
                                        forget_first=renewed, name=staged.name)
-        assert self.loop is not None
-        future = asyncio.run_coroutine_threadsafe(runtime.update_from_tensor(payloads, self.load_format), self.loop)
-        future.result()  # SGLang has loaded the bucket when this returns: the staging is free again
+        self._call(payloads)  # the staging is free again when this returns
 
-    async def release(self) -> None:
+    async def release(self, *, shared: bool = False) -> None:
         """Free the staging buffer (kept between pushes: the next push of the same layout reuses it
         and its views). SGLang's loader first lets go of its imports of it, which would hold the
-        memory."""
+        memory. ``shared``: the weight transfer ends; the loader also unmaps the trainer's memory it
+        opened for forwarded buckets (kept over sleep: the trainer keeps it, and opening it again
+        every step would cost a driver call per segment)."""
         stager, self._stager, self._sent_buffer = self._stager, None, None
         buffer = stager.buffer if stager is not None else None
-        if buffer is None:
+        unmap = shared and self._mapped
+        if buffer is None and not unmap:
             return
         if self.load_format != "flattened_bucket":
             from .payloads import forget_payloads
 
             runtime = self.engine.runtime
-            call = runtime.update_from_tensor(forget_payloads(buffer, runtime.tp_size, runtime.serialize), self.load_format)
+            held = buffer if buffer is not None else self._token
+            call = runtime.update_from_tensor(
+                forget_payloads(held, runtime.tp_size, runtime.serialize, shared=unmap), self.load_format
+            )
             try:
                 await asyncio.wait_for(self.engine._unless_failed(call), timeout=FORGET_TIMEOUT_S)
             except Exception as exc:  # an engine failing or shutting down lets go of everything anyway
                 logger.warning("SGLang's loader did not let go of the staging buffer: %s", exc)
+        if unmap:
+            self._mapped, self._forwards, self._token = False, None, None
         del stager, buffer
         if self.device.type == "cuda":
             import torch

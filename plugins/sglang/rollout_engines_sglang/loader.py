@@ -23,6 +23,19 @@ objects, which the plan's copies replay as a CUDA graph. A bucket named :data:`F
 is kept for the model (the relay sends one before it frees its buffer, e.g. when the engine sleeps:
 a kept import would hold that memory).
 
+**Forwarded buckets** (``cuda_ipc`` with the trainer's tensors shared without packing): the relay
+does not stage at all. It forwards the trainer's description of the memory a bucket lies in (the
+segment handles and offsets of :mod:`rollout_engines.weights.transports._cuda_segments`) in a
+tensor name (:func:`shared_name`; the payload's tensor is a one-byte token, not read), and the
+loader opens those segments itself with the core's ``SegmentImporter``, one per model, and copies
+straight from the trainer's memory into the parameters: one copy per push instead of two. Views
+of segments the trainer keeps stay mapped and are the same objects push after push (the plan's
+copies replay as a CUDA graph); segments it does not keep are unmapped once the bucket is loaded;
+segments the trainer let go of come in the description's close list. A :data:`PROBE` entry (the
+trainer's GPU) fails unless this rank is on that GPU and can open such memory: the relay asks once
+before it forwards. :data:`FORGET_ALL` also unmaps the trainer's memory (the relay sends it when
+its weight transfer closes).
+
 This module is imported inside SGLang's scheduler processes: keep it to torch and the core.
 """
 
@@ -33,11 +46,13 @@ import json
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from rollout_engines.weights.buckets import torch_dtype
 from rollout_engines.weights.copy_plan import CopyPlan, PlannedLoader
+from rollout_engines.weights.transports._cuda_segments import SegmentImporter, available
+from rollout_engines.weights.transports.cuda_ipc import device_uuid
 
 #: The ``load_format`` (and ``custom_weight_loader`` entry) naming :func:`load_bucket`.
 LOADER = "rollout_engines_sglang.loader.load_bucket"
@@ -47,6 +62,13 @@ PREFIX = "rollout_engines.bucket:"
 FORGET = "rollout_engines.forget"
 #: Bucket imports kept per model at most (layouts of one buffer, e.g. a push in several buckets).
 MAX_KEPT = 64
+#: Start of a tensor name that carries a forwarded zero-copy bucket (see the module docstring).
+SHARED_PREFIX = "rollout_engines.shared:"
+#: Start of a tensor name that asks whether this rank can read the trainer's memory on the GPU
+#: named after it (the load fails if not).
+PROBE = "rollout_engines.probe:"
+#: Like :data:`FORGET`, and also unmap the trainer's memory opened for forwarded buckets.
+FORGET_ALL = "rollout_engines.forget_all"
 
 
 @dataclass(frozen=True)
@@ -81,6 +103,53 @@ def parse_bucket_name(name: str) -> list[BucketEntry]:
         raise ValueError(f"malformed bucket layout in a tensor name: {exc}") from exc
 
 
+class SharedPlacement(NamedTuple):
+    """One tensor of a forwarded bucket (what ``SegmentImporter.views`` reads of a placement)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class SharedBucket(NamedTuple):
+    """A forwarded bucket: its index in the update (``bucket``), the trainer's GPU, the trainer's description
+    of the memory it lies in (JSON, as the core's ``cuda_ipc`` published it) and its tensors."""
+
+    bucket: int
+    device_uuid: str
+    description: str
+    placements: tuple[SharedPlacement, ...]
+
+
+def shared_name(index: int, device_uuid: str, description: str, placements: Iterable[Any]) -> str:
+    """The tensor name that carries a forwarded bucket (``placements``: the manifest's, with
+    ``name``, ``dtype`` (a string), ``shape`` and ``nbytes``)."""
+    rows = [[p.name, p.dtype, list(p.shape), p.nbytes] for p in placements]
+    body = {"index": index, "uuid": device_uuid, "layout": rows, "description": description}
+    return SHARED_PREFIX + json.dumps(body, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=64)
+def parse_shared_name(name: str) -> SharedBucket:
+    """The bucket :func:`shared_name` wrote into ``name`` (cached: a steady push sends the same
+    names)."""
+    if not name.startswith(SHARED_PREFIX):
+        raise ValueError(f"not a forwarded bucket (the name starts with {name[:40]!r}, not {SHARED_PREFIX!r})")
+    try:
+        body = json.loads(name[len(SHARED_PREFIX):])
+        placements = tuple(
+            SharedPlacement(str(n), str(torch_dtype(d)).removeprefix("torch."), tuple(int(x) for x in shape), int(nbytes))
+            for n, d, shape, nbytes in body["layout"]
+        )
+        index, uuid, description = body["index"], body["uuid"], body["description"]
+        if type(index) is not int or not isinstance(uuid, str) or not isinstance(description, str):
+            raise TypeError("index, uuid and description must be an integer and two strings")
+        return SharedBucket(index, uuid, description, placements)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"malformed forwarded bucket in a tensor name: {exc}") from exc
+
+
 def bucket_views(flat: torch.Tensor, entries: Sequence[BucketEntry]) -> list[tuple[str, torch.Tensor]]:
     """Views of the flat uint8 ``flat``, one per entry (as SGLang's ``FlattenedTensorBucket``
     rebuilds them)."""
@@ -95,6 +164,48 @@ _loaders: weakref.WeakKeyDictionary[Any, PlannedLoader] = weakref.WeakKeyDiction
 _kept: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, int, str], tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+#: Per model: the importer of the trainer's memory, and per forwarded bucket name the named views
+#: built for it (with the importer's ``closed`` count then: a close since makes them stale).
+_shared: weakref.WeakKeyDictionary[Any, tuple[SegmentImporter, dict[str, tuple[int, list[tuple[str, torch.Tensor]]]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _importer(model: Any) -> tuple[SegmentImporter, dict[str, tuple[int, list[tuple[str, torch.Tensor]]]]]:
+    state = _shared.get(model)
+    if state is None:
+        state = _shared[model] = (SegmentImporter(torch.device("cuda", torch.cuda.current_device())), {})
+    return state
+
+
+def probe(model: Any, name: str) -> None:
+    """Raise unless this rank can open the trainer's memory on the GPU ``name`` names."""
+    wanted = name[len(PROBE):]
+    if not available():
+        raise RuntimeError("forwarded buckets need cuda-bindings in SGLang's processes; relaying by staging")
+    here = device_uuid(_importer(model)[0].device)
+    if here != wanted:
+        raise RuntimeError(f"this SGLang rank is on GPU {here}, the trainer's tensors on {wanted}; relaying by staging")
+
+
+def shared_views(model: Any, name: str) -> list[tuple[str, torch.Tensor]]:
+    """Views of a forwarded bucket on the trainer's memory: the ones built before where the same
+    bucket comes again in segments still mapped, else new ones (opening segments not yet mapped)."""
+    importer, cache = _importer(model)
+    hit = cache.get(name)
+    if hit is not None and hit[0] == importer.closed:
+        return hit[1]
+    bucket = parse_shared_name(name)
+    importer.begin()
+    desc = json.loads(bucket.description)
+    named = [(p.name, v) for p, v in zip(bucket.placements, importer.views(desc, bucket.placements), strict=True)]
+    if not desc.get("close") and all(seg[2] for seg in desc["segments"]):
+        if len(cache) >= MAX_KEPT:
+            cache.clear()
+        cache[name] = (importer.closed, named)
+    return named
 
 
 def planned_loader(model: Any) -> PlannedLoader:
@@ -122,23 +233,33 @@ def kept_views(model: Any, flat: torch.Tensor, name: str) -> list[tuple[str, tor
     return views
 
 
-def forget(model: Any) -> None:
-    """Let go of every bucket import kept for ``model`` (and the copy plan's views of them)."""
+def forget(model: Any, *, shared: bool = False) -> None:
+    """Let go of every bucket import kept for ``model`` (and the copy plan's views of them);
+    ``shared``: also unmap the trainer's memory opened for forwarded buckets."""
     _kept.pop(model, None)
     loader = _loaders.get(model)
     if loader is not None:
         loader.forget_sources()
+    state = _shared.pop(model, None) if shared else None
+    if state is not None:
+        state[0].close()
 
 
 def load_bucket(model: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     """SGLang's custom weight loader (``load_format=LOADER``): load the buckets in ``named_tensors``
     (and any plain named tensors) into ``model``; a :data:`FORGET` entry drops what is kept."""
     named: list[tuple[str, torch.Tensor]] = []
+    forwarded = False
     for name, tensor in named_tensors:
-        if name == FORGET:
-            forget(model)
+        if name == FORGET or name == FORGET_ALL:
+            forget(model, shared=name == FORGET_ALL)
         elif name.startswith(PREFIX):
             named += kept_views(model, tensor, name)
+        elif name.startswith(SHARED_PREFIX):
+            forwarded = True
+            named += shared_views(model, name)
+        elif name.startswith(PROBE):
+            probe(model, name)
         else:
             named.append((name, tensor))
     if not named:
@@ -154,3 +275,5 @@ def load_bucket(model: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) -
     devices = {t.device for _, t in named if t.is_cuda}
     for device in devices:
         torch.cuda.current_stream(device).synchronize()
+    if forwarded:
+        _importer(model)[0].finish()  # segments the trainer does not keep: unmapped now

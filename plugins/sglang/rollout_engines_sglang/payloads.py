@@ -39,7 +39,7 @@ import torch
 from rollout_engines.weights.buckets import torch_dtype
 from rollout_engines.weights.manifest import ALIGN, DTYPE_SIZES, TensorPlacement
 
-from .loader import FORGET, BucketEntry, bucket_name
+from .loader import FORGET, FORGET_ALL, BucketEntry, bucket_name
 
 Serializer = Callable[[Any], bytes]
 
@@ -118,10 +118,13 @@ def metadata_name(metadata: Sequence[Any]) -> str:
     return bucket_name(BucketEntry(m.name, m.dtype, tuple(m.shape), m.start_idx, m.end_idx) for m in metadata)
 
 
-def forget_payloads(buffer: torch.Tensor, tp_size: int, serialize: Serializer | None = None) -> list[bytes]:
+def forget_payloads(
+    buffer: torch.Tensor, tp_size: int, serialize: Serializer | None = None, *, shared: bool = False
+) -> list[bytes]:
     """Per-rank payloads that only make the loader let go of what it kept (``buffer``: any tensor
-    on the engine's device, e.g. the staging buffer about to be freed; it is not read)."""
-    return _per_rank([(FORGET, buffer[:1])], tp_size, serialize)
+    on the engine's device, e.g. the staging buffer about to be freed; it is not read).
+    ``shared``: also unmap the trainer's memory it opened for forwarded buckets."""
+    return _per_rank([(FORGET_ALL if shared else FORGET, buffer[:1])], tp_size, serialize)
 
 
 def _per_rank(payload: Any, tp_size: int, serialize: Serializer | None) -> list[bytes]:

@@ -213,6 +213,31 @@ async def test_relayed_pushes_go_through_the_copy_plan_loader(tiny_model) -> Non
     assert last is not None and last.version == 2 and last.workers[0].apply_s > 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback where no GPU can be read")
+async def test_a_relay_whose_loader_refuses_the_probe_stages_and_asks_once(tiny_model) -> None:
+    """A bucket of the trainer's own tensors (what ``cuda_ipc`` shares without packing) is forwarded
+    only once SGLang's loader said it can open the trainer's memory. Here it cannot (no CUDA): the
+    relay declines, so the receiver stages the bucket as before, and it does not ask again."""
+    from rollout_engines.weights.manifest import plan_manifest, specs_of
+    from rollout_engines.weights.transports.cuda_ipc import SharedViews
+
+    engine, fake = make(tiny_model, weight_loaders=(LOADER,), copy_plan=True)
+    sync = await connect_weight_sync([engine], "inproc")
+    try:
+        await sync.push(checkpoint(tiny_model), version=1)
+        target = engine._transfer.receiver.target
+        named = checkpoint(tiny_model)
+        placements = plan_manifest(specs_of(list(named.items())), version=2).bucket_tensors(0)
+        shared = SharedViews([named[p.name] for p in placements], '{"segments":[],"refs":[]}', "GPU-1")
+        calls = len(fake.load_formats)
+        for _ in range(2):
+            assert await asyncio.to_thread(target.apply_shared, 0, placements, shared) is False
+        assert len(fake.load_formats) == calls + 1  # one probe, refused
+        assert target.forwarded == 0 and target._forwards is False
+    finally:
+        await sync.close()
+
+
 async def test_copy_plan_is_the_default_off_or_loader_missing_keeps_sglangs_flattened_bucket(tiny_model) -> None:
     off, fake_off = make(tiny_model, weight_loaders=(LOADER,), copy_plan=False)
     missing, fake_missing = make(tiny_model, copy_plan=True)  # a runtime not started with the loader

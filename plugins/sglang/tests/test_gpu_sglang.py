@@ -183,6 +183,44 @@ def test_copy_plan_loader_records_then_replays_exactly(tiny_model, original, buc
         run(eng.close())
 
 
+@pytest.mark.parametrize("bucket_bytes", [None, 4096])
+def test_buckets_of_the_trainers_tensors_are_forwarded_not_staged(engine, original, bucket_bytes):
+    """``cuda_ipc`` with the trainer's tensors on the GPU: the relay forwards each bucket's
+    description and SGLang's loader reads the trainer's memory itself (no staging buffer). Kept
+    tensors and temporaries (unmapped after each bucket), in one bucket and in many, all land:
+    the perturbed weights change the greedy tokens and the originals bring them back."""
+    from rollout_engines.weights.transports import _cuda_segments
+
+    if not _cuda_segments.available():
+        pytest.skip("forwarded buckets need cuda-bindings")
+    on_gpu = {n: t.cuda() for n, t in original.items()}
+    changed = {n: t.cuda() for n, t in perturbed(original, seed=5).items()}
+    kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+
+    async def go():
+        reference = await tokens(engine)
+        sync = await connect_weight_sync([engine], "cuda_ipc", timeout_s=120, **kw)
+        try:
+            seen = []
+            for named in (changed, on_gpu, changed, on_gpu, {n: t.clone() for n, t in changed.items()}, on_gpu):
+                await sync.push(named, version=engine.weight_version + 1)
+                seen.append(await tokens(engine))
+            from rollout_engines.weights.manifest import plan_manifest, specs_of
+
+            target = engine._transfer.receiver.target
+            buckets = len(plan_manifest(specs_of(list(on_gpu.items())), version=1, bucket_bytes=sync.bucket_bytes,
+                                        transport="cuda_ipc", timeout_s=120).buckets)
+            return reference, seen, target.forwarded, target._stager, buckets
+        finally:
+            await sync.close()
+
+    reference, seen, forwarded, stager, buckets = run(go())
+    assert seen[1] == seen[3] == seen[5] == reference
+    assert seen[0] == seen[2] == seen[4] != reference
+    assert forwarded == 6 * buckets and stager is None
+    assert (buckets > 1) == (bucket_bytes is not None)
+
+
 @pytest.mark.parametrize("bucket_bytes", [4096, 65536 + 256])
 def test_small_buckets_do_not_garble_weights(engine, original, bucket_bytes):
     """sglang#14178: updates split into many small buckets must load exactly what was sent."""

@@ -194,6 +194,37 @@ def test_bucket_layout_round_trips_through_the_name() -> None:
         loader.parse_bucket_name(loader.PREFIX + "{not json")
 
 
+def test_a_forwarded_bucket_round_trips_through_the_name() -> None:
+    from rollout_engines.weights.manifest import TensorPlacement
+
+    placements = [
+        TensorPlacement(name="model.embed_tokens.weight", dtype="bfloat16", shape=(16, 8), bucket=0, offset=0),
+        TensorPlacement(name="model.norm.weight", dtype="float32", shape=(8,), bucket=0, offset=256),
+    ]
+    description = '{"segments":[["ab",4096,true,1]],"refs":[[0,0],[0,256]],"pid":7}'
+    name = loader.shared_name(3, "GPU-1", description, placements)
+    got = loader.parse_shared_name(name)
+    assert (got.bucket, got.device_uuid, got.description) == (3, "GPU-1", description)
+    assert got.placements == (
+        loader.SharedPlacement("model.embed_tokens.weight", "bfloat16", (16, 8), 256),
+        loader.SharedPlacement("model.norm.weight", "float32", (8,), 32),
+    )
+    with pytest.raises(ValueError, match="not a forwarded bucket"):
+        loader.parse_shared_name(loader.PREFIX + "[]")
+    for body in ('{"index":0}', '{"index":"0","uuid":"u","layout":[],"description":""}', "{not json",
+                 '{"index":0,"uuid":"u","layout":[["w","no_such_dtype",[1],4]],"description":""}'):
+        with pytest.raises(ValueError, match="malformed forwarded bucket"):
+            loader.parse_shared_name(loader.SHARED_PREFIX + body)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU can be read")
+def test_the_probe_refuses_where_the_trainers_memory_cannot_be_opened() -> None:
+    """The relay asks once (a PROBE entry) before it forwards buckets; without CUDA (or
+    cuda-bindings, or on another GPU) the loader fails it, and the relay stages instead."""
+    with pytest.raises(RuntimeError, match="relaying by staging"):
+        loader.load_bucket(Qwen2LikeSglang(), [(loader.PROBE + "GPU-1", torch.zeros(1, dtype=torch.uint8))])
+
+
 def test_the_relays_kept_buffer_is_viewed_once_and_forget_lets_go_of_it() -> None:
     """The relay stages every push into the buffer it keeps: the loader rebuilds nothing for a layout
     it saw in that buffer (same view objects, so the plan's copies replay), loads every push

@@ -256,6 +256,7 @@ class SegmentImporter:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.opened = 0
+        self.closed = 0  # mappings closed so far: views made before a close may be stale
         self._maps: dict[str, tuple[int, torch.Tensor]] = {}  # hex handle -> (pointer, uint8 tensor)
         self._views: dict[tuple[str, int, str, tuple[int, ...]], torch.Tensor] = {}
         self._seen_now: set[str] = set()
@@ -351,6 +352,7 @@ class SegmentImporter:
 
     def _close(self, handle_hex: str) -> None:
         ptr, _ = self._maps.pop(handle_hex)
+        self.closed += 1
         self._views = {k: v for k, v in self._views.items() if k[0] != handle_hex}
         self._by_desc.clear()  # no view may outlive the mapping it lies in
         drv = _driver()

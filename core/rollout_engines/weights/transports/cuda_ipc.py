@@ -13,6 +13,12 @@ bucket's tensors are ordinary allocations on the trainer's GPU, nothing is packe
 maps the allocations that hold them and copies straight out of the trainer's memory (one copy
 instead of two; see :mod:`._cuda_segments`). Otherwise the bucket goes through the slots above.
 
+A host that hands buckets on to another process of its own (SGLang's relay, whose scheduler
+processes load the weights) can forward a zero-copy bucket instead of copying it: its views come
+as :class:`SharedViews`, which carry the trainer's description, and that process opens the same
+segments with its own :class:`~._cuda_segments.SegmentImporter` (see ``WeightTarget.apply_shared``
+in :mod:`rollout_engines.weights.receiver`).
+
 Ordering: the sender waits for its stream before it publishes a bucket (packing is asynchronous);
 a receiver waits for its stream before it acknowledges one (its copies out of the slot must be
 done before the sender packs the slot again, or before the trainer changes its tensors).
@@ -98,6 +104,17 @@ def handle_from_json(data: bytes, device_index: int) -> tuple[Any, ...]:
         raise
     except (ValueError, KeyError, TypeError) as exc:
         raise WeightSyncError(f"cuda_ipc: malformed buffer handle from the trainer: {exc}", peer=TRAINER) from exc
+
+
+class SharedViews(list[torch.Tensor]):
+    """A zero-copy bucket as a receiver gets it: one view per placement on the trainer's memory,
+    plus the trainer's description of that memory (JSON, as published; :meth:`SegmentImporter.views_of`
+    reads it), so a host can forward it to another process on the same GPU instead of copying."""
+
+    def __init__(self, views: Sequence[torch.Tensor], description: str, device_uuid: str) -> None:
+        super().__init__(views)
+        self.description = description
+        self.device_uuid = device_uuid
 
 
 class CudaIpcSender(SlotSender):
@@ -210,7 +227,8 @@ class CudaIpcReceiver(SlotReceiver):
             )
         manifest = self._manifest
         assert manifest is not None
-        return self._segments.views_of(info["raw"], index, manifest.tensors, lambda: manifest.bucket_tensors(index))
+        views = self._segments.views_of(info["raw"], index, manifest.tensors, lambda: manifest.bucket_tensors(index))
+        return SharedViews(views, info["raw"], self._uuid)
 
     def _last_release(self) -> None:
         self._segments.finish()
