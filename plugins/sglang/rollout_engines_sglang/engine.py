@@ -50,11 +50,13 @@ dtype before anything is applied):
 * ``cuda_ipc``, ``nccl``, ``gloo``, ``shm``, ``inproc``: the core's receiver for that transport runs
   in this (host) process on ``relay_device``; each bucket is copied into a staging buffer there and
   handed to every TP rank over CUDA IPC with ``update_weights_from_tensor`` (one payload per rank).
-  With option ``copy_plan`` (off until it is measured on a GPU) SGLang starts with the plugin's custom weight loader
+  With option ``copy_plan`` (on by default) SGLang starts with the plugin's custom weight loader
   (:mod:`.loader`) and each bucket goes to it: the first push of a name runs SGLang's
   ``load_weights`` while recording where it lands, later pushes copy straight into the parameters.
   Without it, or over a runtime not started with that loader, SGLang's own
-  ``load_format="flattened_bucket"`` loads each bucket through ``load_weights``.
+  ``load_format="flattened_bucket"`` loads each bucket through ``load_weights``. A ``cuda_ipc``
+  bucket of the trainer's own GPU tensors is forwarded to the loader, not staged: it opens the
+  trainer's memory itself (see :class:`_RelayTarget`).
 
 SGLang applies updates in place. If an update fails after any bucket reached SGLang, the engine
 refuses to generate (``WeightsInvalidated``) until the next complete push.
