@@ -1047,6 +1047,7 @@ class _RelayTarget:
         #: Buckets forwarded to SGLang's loader so far (read by tests and benchmarks).
         self.forwarded = 0
         self._mapped = False  # whether SGLang's loader may hold the trainer's memory open
+        self._names: dict[tuple[Any, ...], str] = {}  # forwarded buckets' names, by what they carry
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
         return self.specs
@@ -1075,7 +1076,13 @@ class _RelayTarget:
                 self._forwards, self._token = False, None
         if not self._forwards:
             return False
-        name = shared_name(index, shared.device_uuid, shared.description, placements)
+        # A steady push forwards the same descriptions: their names are built once.
+        key = (index, shared.device_uuid, shared.description, tuple((p.name, p.dtype, p.shape) for p in placements))
+        name = self._names.get(key)
+        if name is None:
+            if len(self._names) >= 64:
+                self._names.clear()
+            name = self._names[key] = shared_name(index, shared.device_uuid, shared.description, placements)
         self._mapped = True
         self._call([runtime.serialize([(name, self._token)])])
         self.forwarded += 1
