@@ -173,6 +173,11 @@ _shared: weakref.WeakKeyDictionary[Any, tuple[SegmentImporter, dict[str, tuple[i
 )
 
 
+#: Per model: the last token tensor of a forwarded bucket's payload, kept so that torch's CUDA IPC
+#: cache hands back the same storage next time (the relay sends the same token every push).
+_tokens: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
 def _importer(model: Any) -> tuple[SegmentImporter, dict[str, tuple[int, list[tuple[str, torch.Tensor]]]]]:
     state = _shared.get(model)
     if state is None:
@@ -243,6 +248,8 @@ def forget(model: Any, *, shared: bool = False) -> None:
     state = _shared.pop(model, None) if shared else None
     if state is not None:
         state[0].close()
+    if shared:
+        _tokens.pop(model, None)
 
 
 def load_bucket(model: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -258,8 +265,10 @@ def load_bucket(model: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) -
         elif name.startswith(SHARED_PREFIX):
             forwarded = True
             named += shared_views(model, name)
+            _tokens[model] = tensor
         elif name.startswith(PROBE):
             probe(model, name)
+            _tokens[model] = tensor
         else:
             named.append((name, tensor))
     if not named:
