@@ -896,7 +896,7 @@ class SglangEngine(Engine):
         assert t.receiver is not None
         target = t.receiver.target
         assert isinstance(target, _RelayTarget)
-        target.loop = asyncio.get_running_loop()
+        target.loop, target.timeout_s = asyncio.get_running_loop(), t.spec.timeout_s
         await self._select_specs(t, manifest, relayed=True)
         try:
             await asyncio.to_thread(t.receiver.receive, manifest)
@@ -1035,6 +1035,8 @@ class _RelayTarget:
         self.engine = engine
         self.device = torch.device(device)
         self.loop: asyncio.AbstractEventLoop | None = None
+        #: How long SGLang may take to load one bucket (the weight transfer's timeout).
+        self.timeout_s = 600.0
         self._stager: Any = None
         #: What the next update is checked against (set per update, see SglangEngine._select_specs).
         self.specs: Mapping[str, TensorSpec] = engine.expected_specs()
@@ -1055,7 +1057,14 @@ class _RelayTarget:
     def _call(self, payloads: list[bytes]) -> None:
         assert self.loop is not None
         future = asyncio.run_coroutine_threadsafe(self.engine.runtime.update_from_tensor(payloads, self.load_format), self.loop)
-        future.result()  # SGLang has loaded the bucket when this returns
+        try:
+            future.result(self.timeout_s)  # SGLang has loaded the bucket when this returns
+        except TimeoutError:
+            future.cancel()
+            raise WeightSyncError(
+                f"sglang: SGLang did not load a relayed bucket within {self.timeout_s:.0f} s (the weight "
+                "transfer's timeout_s); see SGLang's log (option log_level='info')"
+            ) from None
 
     def apply_shared(self, index: int, placements: Sequence[Any], shared: Any) -> bool:
         """Forward a zero-copy bucket to SGLang's loader (see the class docstring); False: stage it."""
@@ -1137,7 +1146,7 @@ class _RelayTarget:
                 forget_payloads(held, runtime.tp_size, runtime.serialize, shared=unmap), self.load_format
             )
             try:
-                await asyncio.wait_for(self.engine._unless_failed(call), timeout=FORGET_TIMEOUT_S)
+                await asyncio.wait_for(self.engine._unless_failed(call), timeout=min(FORGET_TIMEOUT_S, self.timeout_s))
             except Exception as exc:  # an engine failing or shutting down lets go of everything anyway
                 logger.warning("SGLang's loader did not let go of the staging buffer: %s", exc)
         if unmap:

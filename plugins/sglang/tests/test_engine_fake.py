@@ -238,6 +238,23 @@ async def test_a_relay_whose_loader_refuses_the_probe_stages_and_asks_once(tiny_
         await sync.close()
 
 
+async def test_a_relayed_bucket_sglang_never_loads_fails_within_the_transfers_timeout(tiny_model) -> None:
+    """Every wait is bounded: SGLang not answering an update (a hung scheduler: faked here, a real
+    one cannot be made to hang on cue) fails the push after the weight transfer's timeout_s."""
+    engine, fake = make(tiny_model, weight_loaders=(LOADER,), copy_plan=True)
+
+    async def hang(payloads, load_format="flattened_bucket"):
+        await asyncio.sleep(3600)
+
+    fake.update_from_tensor = hang
+    sync = await connect_weight_sync([engine], "inproc", timeout_s=1)
+    try:
+        with pytest.raises(WeightSyncError, match="did not load a relayed bucket within 1 s"):
+            await asyncio.wait_for(sync.push(checkpoint(tiny_model), version=1), 30)
+    finally:
+        await sync.close()
+
+
 async def test_copy_plan_is_the_default_off_or_loader_missing_keeps_sglangs_flattened_bucket(tiny_model) -> None:
     off, fake_off = make(tiny_model, weight_loaders=(LOADER,), copy_plan=False)
     missing, fake_missing = make(tiny_model, copy_plan=True)  # a runtime not started with the loader
