@@ -28,6 +28,7 @@ def test_push_benchmark_times_pushes_that_land(tiny_model):
     # The trainer's side: its first bucket went out before its sender was done, within the push.
     assert 0 < phases["trainer_first_bucket"] <= phases["trainer_stream"] <= phases["push"]
     assert result["platform"] == "cpu" and result["fingerprint"] == "greedy tokens"
+    assert result["engine_extra"]["weights"] and result["engine_extra"]["device"] == "cpu"  # what info() said
     # The same-run baseline: one copy of the state on the trainer's device; ratio relates the two.
     assert result["device_copy_gbps"] > 0
     assert result["ratio"] == pytest.approx(result["gbps"] / result["device_copy_gbps"], rel=0.02, abs=1e-3)

@@ -21,6 +21,9 @@ one copy of the state's bytes on the trainer's device, in chunks of at most 1 Gi
 
 ``phases_median_s`` reports what the engine's :meth:`~rollout_engines.engine.EngineProtocol.diagnostics`
 says of each push: the RPC into its workers, worker 0's own timings, the prefix-cache reset.
+``engine_extra`` is what the engine's ``info().extra`` said after the pushes (its plain values;
+e.g. SGLang's ``relay_forwarded_buckets``: how many buckets its relay forwarded to SGLang's loader
+instead of staging them).
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ def run(args: Any) -> dict[str, Any]:
         request = GenerateRequest(prompt_token_ids=[[11, 12, 13, 14]], sampling=SamplingParams(temperature=0, max_tokens=8))
         fingerprint = Fingerprint(engine, request)
 
+        extra: dict[str, Any] = {}
+
         async def go() -> tuple[list[float], list[dict[str, float]], bool, bool, list[float]]:
             start_print = await fingerprint()
             sync = await connect_weight_sync([engine], transport, bucket_bytes=bench.bucket_bytes, timeout_s=600,
@@ -125,6 +130,7 @@ def run(args: Any) -> dict[str, Any]:
                         copies.append(memcpy_gbps(weights.total_bytes, weights.device, repeats=2))
                 await sync.push(original, version=engine.weight_version + 1)
                 same = await fingerprint() == start_print
+                extra.update(scalar_extras((await engine.info()).extra))  # while the transfer is open
             finally:
                 await sync.close()
             return times, phases, differs, same, copies
@@ -163,7 +169,14 @@ def run(args: Any) -> dict[str, Any]:
         "transport_options": bench.transport_options,
         "generate_between_pushes": between,
         "phases_median_s": _median_phases(phases, skip_first=not warmup),
+        "engine_extra": extra,
     }
+
+
+def scalar_extras(extra: dict[str, Any]) -> dict[str, Any]:
+    """The engine's ``info().extra`` entries that are plain JSON scalars (what the engine says
+    about itself after the pushes, e.g. how SGLang's relay handed buckets over)."""
+    return {k: v for k, v in extra.items() if v is None or isinstance(v, bool | int | float | str)}
 
 
 def run_lora(args: Any) -> dict[str, Any]:

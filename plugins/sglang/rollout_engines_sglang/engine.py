@@ -968,10 +968,16 @@ class SglangEngine(Engine):
         return base.model_copy(update=update)
 
     def _extra_info(self) -> dict[str, Any]:
+        t = self._transfer
+        relay = t.receiver.target if t is not None and t.receiver is not None else None
         return {
             "tp_size": self.runtime.tp_size,
             "failed": self._failed,
-            "transport": self._transfer.spec.transport if self._transfer else None,
+            "transport": t.spec.transport if t else None,
+            # How the relay handed buckets to SGLang (this weight transfer): forwarded to the
+            # loader (cuda_ipc, the trainer's tensors) or staged in its buffer.
+            "relay_forwarded_buckets": relay.forwarded if isinstance(relay, _RelayTarget) else None,
+            "relay_staging_bytes": relay.staging_bytes if isinstance(relay, _RelayTarget) else None,
         }
 
     async def _close(self) -> None:
@@ -1053,6 +1059,12 @@ class _RelayTarget:
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
         return self.specs
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the staging buffer held now (0: none)."""
+        buffer = self._stager.buffer if self._stager is not None else None
+        return 0 if buffer is None else int(buffer.numel())
 
     def _call(self, payloads: list[bytes]) -> None:
         assert self.loop is not None

@@ -117,8 +117,11 @@ async def test_the_relays_staging_buffer_stays_between_pushes_and_goes_with_slee
         assert kept is not None  # kept for the next push of the same layout
         await sync.push(checkpoint(tiny_model), version=2)
         assert target._stager is kept
+        extra = (await engine.info()).extra  # staged (inproc buckets are not the trainer's GPU memory)
+        assert extra["relay_forwarded_buckets"] == 0 and extra["relay_staging_bytes"] >= sum(
+            t.numel() * t.element_size() for t in new.values())
         await engine.sleep()  # a colocated trainer wants that memory back
-        assert target._stager is None
+        assert target._stager is None and (await engine.info()).extra["relay_staging_bytes"] == 0
         await engine.wake_up()
         await sync.push(new, version=3)
         assert all(torch.equal(fake.weights[n], t) for n, t in new.items())
