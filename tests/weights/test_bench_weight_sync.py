@@ -30,6 +30,10 @@ def test_shm_bench_reports_a_verified_ratio(extra):
     assert r["baseline_kind"] == "memcpy" and r["baseline"] > 0
     assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline"], abs=0.002)
     assert r["seconds"] == min(r["pushes"][1:]) and len(r["pushes"]) == 3
+    # both sides' account of the last push: the trainer's stream and the receiver's own timings
+    sent, got = r["sender_timings_last_push"], r["receiver_timings_last_push"]
+    assert 0 < sent["first_bucket"] <= sent["stream"] <= r["pushes"][-1]
+    assert 0 < got["apply"] <= got["total"] <= r["pushes"][-1]
 
 
 def test_a_named_shape_pushes_that_models_bf16_tensors():

@@ -8,7 +8,9 @@ preallocated one of the same shape (as an engine's parameters; through the core'
 on the receiver process's event loop, which serves nothing else meanwhile (``--receive-thread``:
 on a worker thread, as an engine that keeps serving requests would). ``seconds`` is the best
 push of ``--repeats`` (after one warm-up push that maps memory and builds groups), from the
-first byte packed to the last receiver done. ``gbps`` = payload bytes / seconds / 1e9.
+first byte packed to the last receiver done. ``gbps`` = payload bytes / seconds / 1e9. Where the last
+push's time went: ``sender_timings_last_push`` (the trainer's stream: its first bucket out, the
+whole stream) and ``receiver_timings_last_push`` (receiver 0's wait, check, apply, total).
 
 ``baseline`` is measured in the same run, between the pushes (the best of those measurements,
 so a busy moment does not flatter the ratio): memcpy bandwidth (``torch`` copy between two
@@ -316,6 +318,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             # The limit, measured between pushes, so both see the same machine (load changes).
             baselines.append(memcpy_gbps(nbytes, device, repeats=2))
         infos = [await e.info() for e in engines]
+        send_timings = dict(sync.last_send_timings)
         await sync.close()
     finally:
         for e in engines:
@@ -342,6 +345,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     if any(o is not None for o in opened):
         result["handles_opened"] = opened
     result["receiver_timings_last_push"] = infos[0].extra.get("timings") if infos else None
+    result["sender_timings_last_push"] = send_timings
     if gpu:
         result["graph_replays"] = [i.extra.get("graph_replays") for i in infos]
         result["chunked_graphs"] = [i.extra.get("chunked_graphs") for i in infos]
