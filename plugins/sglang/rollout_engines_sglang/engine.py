@@ -54,9 +54,10 @@ dtype before anything is applied):
   (:mod:`.loader`) and each bucket goes to it: the first push of a name runs SGLang's
   ``load_weights`` while recording where it lands, later pushes copy straight into the parameters.
   Without it, or over a runtime not started with that loader, SGLang's own
-  ``load_format="flattened_bucket"`` loads each bucket through ``load_weights``. A ``cuda_ipc``
-  bucket of the trainer's own GPU tensors is forwarded to the loader, not staged: it opens the
-  trainer's memory itself (see :class:`_RelayTarget`).
+  ``load_format="flattened_bucket"`` loads each bucket through ``load_weights``. With option
+  ``forward_buckets`` (off until it is measured on a GPU) a ``cuda_ipc`` bucket of the trainer's
+  own GPU tensors is forwarded to the loader, not staged: it opens the trainer's memory itself
+  (see :class:`_RelayTarget`).
 
 SGLang applies updates in place. If an update fails after any bucket reached SGLang, the engine
 refuses to generate (``WeightsInvalidated``) until the next complete push.
@@ -159,6 +160,12 @@ class SglangOptions(BaseModel):
         description="Relayed pushes: learn on the first push where each tensor lands and load later pushes "
         "by direct copies (rollout_engines.weights.copy_plan, through the plugin's SGLang custom weight loader) "
         "instead of SGLang's per-tensor loaders.",
+    )
+    forward_buckets: bool = Field(
+        default=False,
+        description="cuda_ipc pushes of the trainer's own GPU tensors: the relay forwards each bucket's description "
+        "to the plugin's loader (copy_plan), which reads the trainer's memory itself (one copy per push instead of "
+        "two), instead of staging it. Off until it is measured on a GPU.",
     )
     weight_quantization: Literal["none", "fp8_block"] = Field(
         default="none",
@@ -1028,10 +1035,10 @@ class _RelayTarget:
     """A WeightTarget that hands every received bucket to SGLang over CUDA IPC: to the plugin's
     copy-plan loader where SGLang runs it, else as SGLang's flattened bucket (see :mod:`.payloads`).
 
-    A bucket of the trainer's own tensors shared without packing (``cuda_ipc``) is forwarded, not
-    staged, where SGLang runs the loader with one TP rank that can open the trainer's memory on
-    its GPU (asked once, see :data:`.loader.PROBE`) and nothing is quantized here: the loader then
-    reads the trainer's memory itself (:func:`.loader.shared_views`)."""
+    With option ``forward_buckets``, a bucket of the trainer's own tensors shared without packing
+    (``cuda_ipc``) is forwarded, not staged, where SGLang runs the loader with one TP rank that can
+    open the trainer's memory on its GPU (asked once, see :data:`.loader.PROBE`) and nothing is
+    quantized here: the loader then reads the trainer's memory itself (:func:`.loader.shared_views`)."""
 
     def __init__(self, engine: SglangEngine, device: str) -> None:
         import torch
@@ -1083,7 +1090,8 @@ class _RelayTarget:
         from .loader import LOADER, PROBE, shared_name
 
         runtime = self.engine.runtime
-        if self.load_format != LOADER or runtime.tp_size != 1 or self.engine._quantizes(self.specs):
+        if (not self.engine.options.forward_buckets or self.load_format != LOADER or runtime.tp_size != 1
+                or self.engine._quantizes(self.specs)):
             return False
         if self._forwards is None:
             import torch

@@ -217,14 +217,16 @@ async def test_relayed_pushes_go_through_the_copy_plan_loader(tiny_model) -> Non
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback where no GPU can be read")
-async def test_a_relay_whose_loader_refuses_the_probe_stages_and_asks_once(tiny_model) -> None:
+@pytest.mark.parametrize("forward", [True, False])
+async def test_a_relay_forwards_only_when_asked_and_its_loader_can_read_the_trainers_memory(tiny_model, forward) -> None:
     """A bucket of the trainer's own tensors (what ``cuda_ipc`` shares without packing) is forwarded
-    only once SGLang's loader said it can open the trainer's memory. Here it cannot (no CUDA): the
-    relay declines, so the receiver stages the bucket as before, and it does not ask again."""
+    only with option ``forward_buckets`` and once SGLang's loader said it can open the trainer's
+    memory. Here it cannot (no CUDA): the relay declines, so the receiver stages the bucket as
+    before, and it does not ask again. Without the option it never asks."""
     from rollout_engines.weights.manifest import plan_manifest, specs_of
     from rollout_engines.weights.transports.cuda_ipc import SharedViews
 
-    engine, fake = make(tiny_model, weight_loaders=(LOADER,), copy_plan=True)
+    engine, fake = make(tiny_model, weight_loaders=(LOADER,), copy_plan=True, forward_buckets=forward)
     sync = await connect_weight_sync([engine], "inproc")
     try:
         await sync.push(checkpoint(tiny_model), version=1)
@@ -235,8 +237,8 @@ async def test_a_relay_whose_loader_refuses_the_probe_stages_and_asks_once(tiny_
         calls = len(fake.load_formats)
         for _ in range(2):
             assert await asyncio.to_thread(target.apply_shared, 0, placements, shared) is False
-        assert len(fake.load_formats) == calls + 1  # one probe, refused
-        assert target.forwarded == 0 and target._forwards is False
+        assert len(fake.load_formats) == calls + forward  # with the option: one probe, refused
+        assert target.forwarded == 0 and target._forwards is (False if forward else None)
     finally:
         await sync.close()
 

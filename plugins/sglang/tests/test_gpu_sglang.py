@@ -183,16 +183,25 @@ def test_copy_plan_loader_records_then_replays_exactly(tiny_model, original, buc
         run(eng.close())
 
 
+@pytest.fixture(scope="module")
+def forwarding_engine(tiny_model):
+    eng = create_engine("sglang", model=str(tiny_model), dtype="bfloat16", forward_buckets=True, **OPTIONS)
+    yield eng
+    run(eng.close())
+
+
 @pytest.mark.parametrize("bucket_bytes", [None, 4096])
-def test_buckets_of_the_trainers_tensors_are_forwarded_not_staged(engine, original, bucket_bytes):
-    """``cuda_ipc`` with the trainer's tensors on the GPU: the relay forwards each bucket's
-    description and SGLang's loader reads the trainer's memory itself (no staging buffer). Kept
-    tensors and temporaries (unmapped after each bucket), in one bucket and in many, all land:
-    the perturbed weights change the greedy tokens and the originals bring them back."""
+def test_buckets_of_the_trainers_tensors_are_forwarded_not_staged(forwarding_engine, original, bucket_bytes):
+    """Option ``forward_buckets``, ``cuda_ipc`` with the trainer's tensors on the GPU: the relay
+    forwards each bucket's description and SGLang's loader reads the trainer's memory itself (no
+    staging buffer). Kept tensors and temporaries (unmapped after each bucket), in one bucket and
+    in many, all land: the perturbed weights change the greedy tokens and the originals bring
+    them back."""
     from rollout_engines.weights.transports import _cuda_segments
 
     if not _cuda_segments.available():
         pytest.skip("forwarded buckets need cuda-bindings")
+    engine = forwarding_engine
     on_gpu = {n: t.cuda() for n, t in original.items()}
     changed = {n: t.cuda() for n, t in perturbed(original, seed=5).items()}
     kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
