@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import torch
 from rollout_engines.weights.buckets import torch_dtype
 from rollout_engines.weights.copy_plan import CopyPlan, PlannedLoader
-from rollout_engines.weights.transports._cuda_segments import SegmentImporter, available
+from rollout_engines.weights.transports._cuda_segments import SegmentImporter, available, steady
 from rollout_engines.weights.transports.cuda_ipc import device_uuid
 
 #: The ``load_format`` (and ``custom_weight_loader`` entry) naming :func:`load_bucket`.
@@ -206,7 +206,7 @@ def shared_views(model: Any, name: str) -> list[tuple[str, torch.Tensor]]:
     importer.begin()
     desc = json.loads(bucket.description)
     named = [(p.name, v) for p, v in zip(bucket.placements, importer.views(desc, bucket.placements), strict=True)]
-    if not desc.get("close") and all(seg[2] for seg in desc["segments"]):
+    if steady(desc):
         if len(cache) >= MAX_KEPT:
             cache.clear()
         cache[name] = (importer.closed, named)

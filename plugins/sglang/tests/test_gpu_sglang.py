@@ -183,39 +183,30 @@ def test_copy_plan_loader_records_then_replays_exactly(tiny_model, original, buc
         run(eng.close())
 
 
-@pytest.fixture(scope="module")
-def forwarding_engine(tiny_model):
-    eng = create_engine("sglang", model=str(tiny_model), dtype="bfloat16", forward_buckets=True, **OPTIONS)
-    yield eng
-    run(eng.close())
-
-
-@pytest.mark.parametrize("bucket_bytes", [None, 4096])
-def test_buckets_of_the_trainers_tensors_are_forwarded_not_staged(forwarding_engine, original, bucket_bytes):
+def test_buckets_of_the_trainers_tensors_are_forwarded_not_staged(tiny_model, original):
     """Option ``forward_buckets``, ``cuda_ipc`` with the trainer's tensors on the GPU: the relay
     forwards each bucket's description and SGLang's loader reads the trainer's memory itself (no
     staging buffer). Kept tensors and temporaries (unmapped after each bucket), in one bucket and
     in many, all land: the perturbed weights change the greedy tokens and the originals bring
     them back."""
+    from rollout_engines.weights.manifest import plan_manifest, specs_of
     from rollout_engines.weights.transports import _cuda_segments
 
     if not _cuda_segments.available():
         pytest.skip("forwarded buckets need cuda-bindings")
-    engine = forwarding_engine
+    engine = create_engine("sglang", model=str(tiny_model), dtype="bfloat16", forward_buckets=True, **OPTIONS)
     on_gpu = {n: t.cuda() for n, t in original.items()}
     changed = {n: t.cuda() for n, t in perturbed(original, seed=5).items()}
-    kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
 
-    async def go():
+    async def go(bucket_bytes):
         reference = await tokens(engine)
+        kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
         sync = await connect_weight_sync([engine], "cuda_ipc", timeout_s=120, **kw)
         try:
             seen = []
             for named in (changed, on_gpu, changed, on_gpu, {n: t.clone() for n, t in changed.items()}, on_gpu):
                 await sync.push(named, version=engine.weight_version + 1)
                 seen.append(await tokens(engine))
-            from rollout_engines.weights.manifest import plan_manifest, specs_of
-
             target = engine._transfer.receiver.target
             buckets = len(plan_manifest(specs_of(list(on_gpu.items())), version=1, bucket_bytes=sync.bucket_bytes,
                                         transport="cuda_ipc", timeout_s=120).buckets)
@@ -223,11 +214,15 @@ def test_buckets_of_the_trainers_tensors_are_forwarded_not_staged(forwarding_eng
         finally:
             await sync.close()
 
-    reference, seen, forwarded, stager, buckets = run(go())
-    assert seen[1] == seen[3] == seen[5] == reference
-    assert seen[0] == seen[2] == seen[4] != reference
-    assert forwarded == 6 * buckets and stager is None
-    assert (buckets > 1) == (bucket_bytes is not None)
+    try:
+        for bucket_bytes in (None, 4096):
+            reference, seen, forwarded, stager, buckets = run(go(bucket_bytes))
+            assert seen[1] == seen[3] == seen[5] == reference
+            assert seen[0] == seen[2] == seen[4] != reference
+            assert forwarded == 6 * buckets and stager is None
+            assert (buckets > 1) == (bucket_bytes is not None)
+    finally:
+        run(engine.close())
 
 
 @pytest.mark.parametrize("bucket_bytes", [4096, 65536 + 256])

@@ -250,6 +250,12 @@ class SegmentExporter:
         self._kept, self._releasing, self._bases, self._seen, self._described = {}, {}, [], {}, {}
 
 
+def steady(desc: dict[str, Any]) -> bool:
+    """Whether views of this description may be kept for the next push: every segment is one the
+    trainer keeps (so it stays mapped) and the description closes none."""
+    return not desc.get("close") and all(seg[2] for seg in desc["segments"])
+
+
 class SegmentImporter:
     """Engine-worker side: maps the trainer's segments (once) and builds tensor views on them."""
 
@@ -311,9 +317,8 @@ class SegmentImporter:
             return hit[1]
         desc = json.loads(raw)
         views = self.views(desc, placements())
-        segments = desc["segments"]
-        if not desc.get("close") and all(seg[2] for seg in segments):
-            known.add((raw, views, [seg[0] for seg in segments]))
+        if steady(desc):
+            known.add((raw, views, [seg[0] for seg in desc["segments"]]))
         return views
 
     def views(self, desc: dict[str, Any], placements: Sequence[Any]) -> list[torch.Tensor]:
