@@ -45,12 +45,13 @@ import functools
 import json
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from rollout_engines.weights.buckets import torch_dtype
 from rollout_engines.weights.copy_plan import CopyPlan, PlannedLoader
+from rollout_engines.weights.manifest import TensorSpec
 from rollout_engines.weights.transports._cuda_segments import SegmentImporter, available, steady
 from rollout_engines.weights.transports.cuda_ipc import device_uuid
 
@@ -103,15 +104,6 @@ def parse_bucket_name(name: str) -> list[BucketEntry]:
         raise ValueError(f"malformed bucket layout in a tensor name: {exc}") from exc
 
 
-class SharedPlacement(NamedTuple):
-    """One tensor of a forwarded bucket (what ``SegmentImporter.views`` reads of a placement)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
 class SharedBucket(NamedTuple):
     """A forwarded bucket: its index in the update (``bucket``), the trainer's GPU, the trainer's description
     of the memory it lies in (JSON, as the core's ``cuda_ipc`` published it) and its tensors."""
@@ -119,13 +111,13 @@ class SharedBucket(NamedTuple):
     bucket: int
     device_uuid: str
     description: str
-    placements: tuple[SharedPlacement, ...]
+    placements: tuple[TensorSpec, ...]
 
 
 def shared_name(index: int, device_uuid: str, description: str, placements: Iterable[Any]) -> str:
     """The tensor name that carries a forwarded bucket (``placements``: the manifest's, with
-    ``name``, ``dtype`` (a string), ``shape`` and ``nbytes``)."""
-    rows = [[p.name, p.dtype, list(p.shape), p.nbytes] for p in placements]
+    ``name``, ``dtype`` (a string) and ``shape``)."""
+    rows = [[p.name, p.dtype, list(p.shape)] for p in placements]
     body = {"index": index, "uuid": device_uuid, "layout": rows, "description": description}
     return SHARED_PREFIX + json.dumps(body, separators=(",", ":"))
 
@@ -139,8 +131,7 @@ def parse_shared_name(name: str) -> SharedBucket:
     try:
         body = json.loads(name[len(SHARED_PREFIX):])
         placements = tuple(
-            SharedPlacement(str(n), str(torch_dtype(d)).removeprefix("torch."), tuple(int(x) for x in shape), int(nbytes))
-            for n, d, shape, nbytes in body["layout"]
+            TensorSpec(name=n, dtype=d, shape=tuple(shape)) for n, d, shape in body["layout"]
         )
         index, uuid, description = body["index"], body["uuid"], body["description"]
         if type(index) is not int or not isinstance(uuid, str) or not isinstance(description, str):
@@ -166,22 +157,27 @@ _kept: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, int, str], tuple[torc
 )
 
 
-#: Per model: the importer of the trainer's memory, and per forwarded bucket name the named views
-#: built for it (with the importer's ``closed`` count then: a close since makes them stale).
-_shared: weakref.WeakKeyDictionary[Any, tuple[SegmentImporter, dict[str, tuple[int, list[tuple[str, torch.Tensor]]]]]] = (
-    weakref.WeakKeyDictionary()
-)
+@dataclass
+class _Forwarded:
+    """One model's side of forwarded buckets."""
+
+    #: Maps the trainer's memory (once per allocation).
+    importer: SegmentImporter
+    #: Per forwarded bucket name: the importer's ``closed`` count then (a close since makes them
+    #: stale) and the named views built for it.
+    views: dict[str, tuple[int, list[tuple[str, torch.Tensor]]]] = field(default_factory=dict)
+    #: The last payload's token tensor, kept so that torch's CUDA IPC cache hands back the same
+    #: storage next time (the relay sends the same token every push).
+    token: torch.Tensor | None = None
 
 
-#: Per model: the last token tensor of a forwarded bucket's payload, kept so that torch's CUDA IPC
-#: cache hands back the same storage next time (the relay sends the same token every push).
-_tokens: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+_forwarded: weakref.WeakKeyDictionary[Any, _Forwarded] = weakref.WeakKeyDictionary()
 
 
-def _importer(model: Any) -> tuple[SegmentImporter, dict[str, tuple[int, list[tuple[str, torch.Tensor]]]]]:
-    state = _shared.get(model)
+def _state(model: Any) -> _Forwarded:
+    state = _forwarded.get(model)
     if state is None:
-        state = _shared[model] = (SegmentImporter(torch.device("cuda", torch.cuda.current_device())), {})
+        state = _forwarded[model] = _Forwarded(SegmentImporter(torch.device("cuda", torch.cuda.current_device())))
     return state
 
 
@@ -190,7 +186,7 @@ def probe(model: Any, name: str) -> None:
     wanted = name[len(PROBE):]
     if not available():
         raise RuntimeError("forwarded buckets need cuda-bindings in SGLang's processes; relaying by staging")
-    here = device_uuid(_importer(model)[0].device)
+    here = device_uuid(_state(model).importer.device)
     if here != wanted:
         raise RuntimeError(f"this SGLang rank is on GPU {here}, the trainer's tensors on {wanted}; relaying by staging")
 
@@ -198,7 +194,8 @@ def probe(model: Any, name: str) -> None:
 def shared_views(model: Any, name: str) -> list[tuple[str, torch.Tensor]]:
     """Views of a forwarded bucket on the trainer's memory: the ones built before where the same
     bucket comes again in segments still mapped, else new ones (opening segments not yet mapped)."""
-    importer, cache = _importer(model)
+    state = _state(model)
+    importer, cache = state.importer, state.views
     hit = cache.get(name)
     if hit is not None and hit[0] == importer.closed:
         return hit[1]
@@ -245,11 +242,9 @@ def forget(model: Any, *, shared: bool = False) -> None:
     loader = _loaders.get(model)
     if loader is not None:
         loader.forget_sources()
-    state = _shared.pop(model, None) if shared else None
+    state = _forwarded.pop(model, None) if shared else None
     if state is not None:
-        state[0].close()
-    if shared:
-        _tokens.pop(model, None)
+        state.importer.close()
 
 
 def load_bucket(model: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -265,10 +260,10 @@ def load_bucket(model: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) -
         elif name.startswith(SHARED_PREFIX):
             forwarded = True
             named += shared_views(model, name)
-            _tokens[model] = tensor
+            _state(model).token = tensor
         elif name.startswith(PROBE):
             probe(model, name)
-            _tokens[model] = tensor
+            _state(model).token = tensor
         else:
             named.append((name, tensor))
     if not named:
@@ -285,4 +280,4 @@ def load_bucket(model: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) -
     for device in devices:
         torch.cuda.current_stream(device).synchronize()
     if forwarded:
-        _importer(model)[0].finish()  # segments the trainer does not keep: unmapped now
+        _state(model).importer.finish()  # segments the trainer does not keep: unmapped now

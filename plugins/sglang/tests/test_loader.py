@@ -195,7 +195,7 @@ def test_bucket_layout_round_trips_through_the_name() -> None:
 
 
 def test_a_forwarded_bucket_round_trips_through_the_name() -> None:
-    from rollout_engines.weights.manifest import TensorPlacement
+    from rollout_engines.weights.manifest import TensorPlacement, TensorSpec
 
     placements = [
         TensorPlacement(name="model.embed_tokens.weight", dtype="bfloat16", shape=(16, 8), bucket=0, offset=0),
@@ -206,13 +206,14 @@ def test_a_forwarded_bucket_round_trips_through_the_name() -> None:
     got = loader.parse_shared_name(name)
     assert (got.bucket, got.device_uuid, got.description) == (3, "GPU-1", description)
     assert got.placements == (
-        loader.SharedPlacement("model.embed_tokens.weight", "bfloat16", (16, 8), 256),
-        loader.SharedPlacement("model.norm.weight", "float32", (8,), 32),
+        TensorSpec(name="model.embed_tokens.weight", dtype="bfloat16", shape=(16, 8)),
+        TensorSpec(name="model.norm.weight", dtype="float32", shape=(8,)),
     )
+    assert [p.nbytes for p in got.placements] == [256, 32]
     with pytest.raises(ValueError, match="not a forwarded bucket"):
         loader.parse_shared_name(loader.PREFIX + "[]")
     for body in ('{"index":0}', '{"index":"0","uuid":"u","layout":[],"description":""}', "{not json",
-                 '{"index":0,"uuid":"u","layout":[["w","no_such_dtype",[1],4]],"description":""}'):
+                 '{"index":0,"uuid":"u","layout":[["w","no_such_dtype",[1]]],"description":""}'):
         with pytest.raises(ValueError, match="malformed forwarded bucket"):
             loader.parse_shared_name(loader.SHARED_PREFIX + body)
 
