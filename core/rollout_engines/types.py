@@ -482,6 +482,9 @@ class LastReceive(_Model):
     rpc_s: float | None = Field(
         default=None, description="The round trip into the engine's worker processes as the engine saw it "
         "(None: received in the engine's own process).")
+    direct: bool = Field(
+        default=False, description="The workers were handed the update through the weight-sync store's "
+        "doorbell (rollout_engines.weights.doorbell), not the engine's RPC; rpc_s is that round trip.")
     workers: list[ReceiveTimings] = Field(
         default_factory=list, description="Each worker's own account (one entry where one receiver took it).")
 

@@ -30,6 +30,7 @@ Shape of a running engine::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 import os
@@ -70,6 +71,7 @@ from rollout_engines.types import (
     StreamDelta,
     TokenLogprob,
 )
+from rollout_engines.weights.doorbell import Doorbell, has_store, new_door
 from rollout_engines.weights.manifest import TransportSpec, WeightManifest, manifest_to_wire
 
 from .plugin import CPU_TRANSPORTS, CUDA_TRANSPORTS, INSTALL_HINT
@@ -82,6 +84,16 @@ WORKER_EXTENSION = "rollout_engines_vllm.worker_ext.WorkerExtension"  # vLLM qua
 CPU_KV_CACHE_BYTES = 256 * 2**20
 #: The values vLLM 0.32 accepts as max_lora_rank (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: How long a request waits for vLLM to confirm the weight version of the push before it (an engine
+#: core that does not answer in this time has failed, and the request meets that error in vLLM).
+LABEL_WAIT_S = 30.0
+#: How often a request (or a control call) looks whether the workers' doorbell receive is done.
+DOOR_NAP_S = 0.0002
+
+
+def _label_done(task: concurrent.futures.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("vLLM did not take the weight version label: %r", task.exception())
 
 #: vLLM's sleep mode swaps the CUDA allocator of the process for its own (a process-wide
 #: singleton), so a second sleep-mode engine in one process breaks the first (vllm#18975).
@@ -138,6 +150,13 @@ class VllmOptions(BaseModel):
         description="FP8 engines (weight_quantization): 'auto' writes pushed weights straight into "
         "the FP8 parameters where their layout is known (vLLM's block-scaled Cutlass/Triton kernels), "
         "else through vLLM's reload_weights; 'reload' always takes reload_weights.",
+    )
+    direct_receive: bool = Field(
+        default=False,
+        description="Start a push's receive in the workers through the weight-sync store (a doorbell, "
+        "rollout_engines.weights.doorbell) instead of vLLM's collective_rpc when no request runs: no "
+        "round trip through the engine core's queues. For transports with a store (shm, cuda_ipc, gloo, "
+        "nccl); other pushes go through the RPC as before. Off until measured on a GPU.",
     )
     copy_plan: bool = Field(
         default=True,
@@ -288,6 +307,9 @@ class VllmEngine(Engine):
         self._abort_tasks: set[asyncio.Future[None]] = set()
         self._vllm_paused = False
         self._label_version = 0  # the weight version vLLM labels new tokens with
+        self._label_task: concurrent.futures.Future[None] | None = None  # vLLM told the last push's version
+        self._door: Doorbell | None = None  # option direct_receive, while a weight transfer is open
+        self._direct_receives = 0  # updates the doorbell handed to the workers (info().extra)
         if self.options.pause_mode is not None:
             logger.warning("vLLM option pause_mode is deprecated and ignored; pass the mode to pause(mode)")
         self._setup_process_env()
@@ -486,16 +508,40 @@ class VllmEngine(Engine):
         if hasattr(llm, "update_weight_version"):
             await self._on_loop(lambda: llm.update_weight_version(str(self._label_version)))
 
+    def _start_label(self, version: int) -> None:
+        """(Right after a push landed, before anything else may reach vLLM.) Tell vLLM the new weight version without
+        waiting for its answer, a round trip to the engine core that the push need not wait for (about
+        1 ms on a CPU). vLLM's engine core handles its client's messages in order, and :meth:`_drive`
+        lets no request go to vLLM before the label is answered, so every request submitted after the
+        push is labelled with its version; tokens of requests already running get vLLM's label as they
+        did when the push waited for it (steps may run between the push and the label either way)."""
+        self._label_version = version
+        llm, loop = self._llm, self._engine_loop
+        if not hasattr(llm, "update_weight_version") or loop is None:
+            return
+        label = loop.submit(lambda: llm.update_weight_version(str(version)))
+        label.add_done_callback(_label_done)
+        self._label_task = label
+
     # ---- running coroutines on the engine loop -----------------------------------------------------
     def _sync(self, factory: Callable[[], Awaitable[T]]) -> T:
         assert self._engine_loop is not None
         return self._engine_loop.run(factory)
 
     async def _on_loop(self, factory: Callable[[], Awaitable[T]]) -> T:
-        """Await ``factory()`` on the engine loop from any caller loop (cancellation propagates)."""
+        """Await ``factory()`` on the engine loop from any caller loop (cancellation propagates);
+        after a receive the doorbell started, if one runs."""
         if self._engine_loop is None or self._engine_loop.closed:
             raise EngineClosed("vLLM engine is closed; create a new one")
+        await self._door_idle()
         return await self._engine_loop.call(factory)
+
+    async def _door_idle(self) -> None:
+        """Wait while the workers receive an update the doorbell handed them (nothing else may run
+        in vLLM then; a ring is bounded by its update's timeout and ends in its own thread)."""
+        door = self._door
+        while door is not None and door.busy:
+            await asyncio.sleep(DOOR_NAP_S)
 
     # ---- generation ----------------------------------------------------------------------------------
     def _vllm_sampling(self, s: SamplingParams, seed: int | None, *, delta: bool = False) -> Any:
@@ -597,6 +643,10 @@ class VllmEngine(Engine):
     async def _drive(self, llm: Any, seq: _Seq, notify: Callable[[], None] | None = None) -> None:
         """Run one prompt x sample in vLLM (on the engine loop); ``notify`` after each output."""
         try:
+            await self._door_idle()
+            label = self._label_task
+            if label is not None and not label.done():  # the last push's version reaches vLLM first
+                await asyncio.wait([asyncio.wrap_future(label)], timeout=LABEL_WAIT_S)
             if not seq.aborted:  # aborted before it reached vLLM: answered here, with no tokens
                 seq.started = True
                 lora_request = seq.lora.request if seq.lora is not None else None
@@ -951,12 +1001,39 @@ class VllmEngine(Engine):
     async def _init_weight_transfer(self, spec: TransportSpec) -> None:
         from .worker_ext import raise_worker_error
 
+        await self._drop_door()
+        door = new_door() if self.options.direct_receive and has_store(spec) else None
         worker_options = {"mode": self.options.weight_apply_mode, "copy_plan": self.options.copy_plan,
-                          "fp8_apply": self.options.fp8_apply}
+                          "fp8_apply": self.options.fp8_apply, "doorbell": door}
         results = await self._rpc(
             "roe_init_weight_transfer", spec.model_dump_json(), worker_options, timeout=spec.timeout_s + 30
         )
         raise_worker_error(results, f"joining the '{spec.transport}' weight sync")
+        if door is not None and all(r.get("door") for r in results):
+            ranks = [int(r["rank"]) for r in results]
+            self._door = await asyncio.to_thread(Doorbell, spec, door, ranks)
+
+    async def _drop_door(self) -> None:
+        door, self._door = self._door, None
+        if door is not None:
+            await asyncio.to_thread(door.close)
+
+    def _claim_door(self, manifest: WeightManifest) -> Doorbell | None:
+        """The doorbell, marked busy, if this update may go through it: no request is in vLLM, so
+        nothing runs in the workers while they receive (requests that come meanwhile wait in
+        :meth:`_drive`)."""
+        door = self._door
+        if door is None or manifest.lora is not None:
+            return None
+        with self._seqs_lock:
+            if self._seqs or not door.claim():
+                return None
+        return door
+
+    def _check_engine(self) -> None:
+        llm = self._llm
+        if llm is None or getattr(llm, "errored", False):
+            raise EngineUnavailable("the vLLM engine failed while its workers received weights; create a new engine")
 
     async def _receive_weights(self, manifest: WeightManifest) -> None:
         from .worker_ext import raise_worker_error
@@ -965,11 +1042,27 @@ class VllmEngine(Engine):
         # bucket, this bound only catches a worker stuck outside them.
         timeout = manifest.timeout_s * (len(manifest.buckets) + 2)
         start = time.perf_counter()
-        results = await self._rpc("roe_receive_weights", manifest_to_wire(manifest), timeout=timeout)
+        llm, wire = self._llm, manifest_to_wire(manifest)
+        door = self._claim_door(manifest)
+        if door is not None:
+            def landed(answers: list[dict[str, Any]]) -> None:  # before requests may go to vLLM again
+                if all(isinstance(r, dict) and r.get("ok") for r in answers):
+                    self._start_label(manifest.version)
+
+            results: list[Any] = await door.ring(wire, timeout_s=timeout, check=self._check_engine, then=landed)
+            self._direct_receives += 1
+        else:
+            async def receive() -> list[Any]:  # on the engine loop: the label goes out with no hop back first
+                results = await llm.collective_rpc("roe_receive_weights", timeout=timeout, args=(wire,))
+                if all(isinstance(r, dict) and r.get("ok") for r in results):
+                    self._start_label(manifest.version)
+                return results
+
+            results = await self._on_loop(receive)
         # Where the push's time went (diagnostics()): the RPC round trip as the driver saw it, and
         # each worker's own account (validate, wait, check, apply, total).
         self._last_receive = LastReceive(
-            version=manifest.version, rpc_s=round(time.perf_counter() - start, 6),
+            version=manifest.version, rpc_s=round(time.perf_counter() - start, 6), direct=door is not None,
             workers=[ReceiveTimings.of(r.get("timings") if isinstance(r, dict) else None) for r in results],
         )
         try:
@@ -977,8 +1070,6 @@ class VllmEngine(Engine):
         except WeightsInvalidated as exc:
             self._weights_invalid = f"weight update v{manifest.version} failed midway ({exc})"
             raise
-        self._label_version = manifest.version
-        await self._label_weights()
 
     async def _receive_lora(self, manifest: WeightManifest) -> None:
         """Through the weight-sync transport into the workers, then registered with vLLM
@@ -989,6 +1080,7 @@ class VllmEngine(Engine):
         await self._loras.unload(name)
 
     async def _close_weight_transfer(self) -> None:
+        await self._drop_door()
         if self._llm is not None and not self._closed:
             await self._rpc("roe_close_weight_transfer", timeout=60)
 
@@ -1009,6 +1101,7 @@ class VllmEngine(Engine):
             "sleep_mode": self.sleep_mode,
             "workers": getattr(self, "_workers", []),
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
+            "direct_receives": self._direct_receives,
         }
 
     async def _close(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from rollout_engines.errors import CapabilityError, ManifestMismatch, WeightSyncError
 from rollout_engines.proxy import WireError, raise_for_workers
 from rollout_engines.weights.copy_plan import PlannedLoader
+from rollout_engines.weights.doorbell import DoorbellListener, has_store
 from rollout_engines.weights.fp8 import SCALE_SUFFIX, Fp8Forms, is_fp8_form, quantize_named, read_block_config
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, manifest_from_wire
 from rollout_engines.weights.receiver import WeightReceiver
@@ -190,18 +192,28 @@ class WorkerExtension:
     def _roe_state(self) -> dict[str, Any]:
         state = self.__dict__.get("_roe")
         if state is None:
-            state = self.__dict__["_roe"] = {"receiver": None, "target": None}
+            # "lock": held by every receive, whether by RPC or by the doorbell's thread
+            state = self.__dict__["_roe"] = {"receiver": None, "target": None, "door": None, "lock": threading.Lock()}
         return state
+
+    def _roe_stop_door(self) -> None:
+        state = self._roe_state()
+        if state["door"] is not None:
+            state["door"].close()
+            state["door"] = None
 
     def roe_init_weight_transfer(self, spec_json: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
         """Open this worker's receiver of a weight-sync session (blocks until connected).
 
-        ``options``: ``mode`` ('staged' or 'inplace'), ``copy_plan`` (bool)."""
+        ``options``: ``mode`` ('staged' or 'inplace'), ``copy_plan`` (bool), ``doorbell`` (the name of
+        the host's doorbell: this worker also receives when rung through the session's store, see
+        :mod:`rollout_engines.weights.doorbell`; the answer's ``door`` says it listens)."""
         options = options or {}
         mode = options.get("mode", "staged")
         try:
             spec = TransportSpec.model_validate_json(spec_json)
             state = self._roe_state()
+            self._roe_stop_door()
             if state["target"] is None:
                 state["target"] = VllmWeightTarget(self, copy_plan=bool(options.get("copy_plan", True)),
                                                    fp8_reload=options.get("fp8_apply") == "reload")
@@ -221,7 +233,13 @@ class WorkerExtension:
             receiver = WeightReceiver(state["target"], device=device, mode=mode, label=f"vllm worker {rank}")  # type: ignore[arg-type]
             receiver.connect(spec, local_rank=rank)
             state["receiver"] = receiver
-            return {"ok": True, "rank": spec.rank_offset + rank}
+            door = options.get("doorbell")
+            if isinstance(door, str) and has_store(spec):
+                state["door"] = DoorbellListener(
+                    spec, door, rank=spec.rank_offset + rank, receive=self._roe_receive, lock=state["lock"],
+                    setup=_device_setter(getattr(self, "device", None)),
+                )
+            return {"ok": True, "rank": spec.rank_offset + rank, "door": state["door"] is not None}
         except BaseException as exc:
             logger.warning("weight transfer init failed in worker: %s", exc)
             return error_result(exc)
@@ -229,6 +247,10 @@ class WorkerExtension:
     def roe_receive_weights(self, wire: dict[str, Any] | str) -> dict[str, Any]:
         """Receive one update (``wire``: :func:`~rollout_engines.weights.manifest.manifest_to_wire`'s
         form, or a manifest's JSON); returns ``{"ok": True, "version": v}`` or the error as a dict."""
+        with self._roe_state()["lock"]:
+            return self._roe_receive(wire)
+
+    def _roe_receive(self, wire: dict[str, Any] | str) -> dict[str, Any]:
         state = self._roe_state()
         receiver: WeightReceiver | None = state["receiver"]
         if receiver is None:
@@ -284,23 +306,24 @@ class WorkerExtension:
         receiver: WeightReceiver | None = state["receiver"]
         if receiver is None:
             return error_result(WeightSyncError("no weight transfer initialised in this worker; connect first"))
-        try:
-            worker_remove_loras(self, list(retire or ()))
-            manifest = manifest_from_wire(wire)
-            if manifest.lora is None:
-                raise ManifestMismatch("a LoRA receive needs a manifest with 'lora' set")
-            tensors = receive_lora(receiver, manifest, state["target"].expected_specs(), supported=worker_lora_modules(self),
-                                   hint="vLLM has no LoRA layer for them in this model")
-            t0 = time.perf_counter()
-            installed = bool(key) and worker_install_lora(self, tensors, key=key, lora_id=lora_id, path=path)
-            if not installed and int(getattr(self, "rank", 0)) == 0:  # for the driver's add_lora
-                write_adapter_weights(path, tensors)
-            timings = with_install_time(receiver.last_timings, time.perf_counter() - t0)
-            return {"ok": True, "version": manifest.version, "installed": installed, "timings": timings}
-        except BaseException as exc:
-            if not isinstance(exc, ManifestMismatch):
-                logger.warning("LoRA receive failed in worker: %s", exc)
-            return error_result(exc)
+        with state["lock"]:  # not beside a receive by the doorbell
+            try:
+                worker_remove_loras(self, list(retire or ()))
+                manifest = manifest_from_wire(wire)
+                if manifest.lora is None:
+                    raise ManifestMismatch("a LoRA receive needs a manifest with 'lora' set")
+                tensors = receive_lora(receiver, manifest, state["target"].expected_specs(), supported=worker_lora_modules(self),
+                                       hint="vLLM has no LoRA layer for them in this model")
+                t0 = time.perf_counter()
+                installed = bool(key) and worker_install_lora(self, tensors, key=key, lora_id=lora_id, path=path)
+                if not installed and int(getattr(self, "rank", 0)) == 0:  # for the driver's add_lora
+                    write_adapter_weights(path, tensors)
+                timings = with_install_time(receiver.last_timings, time.perf_counter() - t0)
+                return {"ok": True, "version": manifest.version, "installed": installed, "timings": timings}
+            except BaseException as exc:
+                if not isinstance(exc, ManifestMismatch):
+                    logger.warning("LoRA receive failed in worker: %s", exc)
+                return error_result(exc)
 
     def roe_remove_lora(self, lora_ids: list[int]) -> None:
         """Remove the adapters ``lora_ids`` from this worker's vLLM LoRA manager, with the copies kept
@@ -318,11 +341,19 @@ class WorkerExtension:
 
     def roe_close_weight_transfer(self) -> None:
         state = self._roe_state()
+        self._roe_stop_door()
         if state["receiver"] is not None:
             try:
                 state["receiver"].close()
             finally:
                 state["receiver"] = None
+
+
+def _device_setter(device: Any) -> Any:
+    """What the doorbell's thread runs first: a CUDA worker's device is per thread."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    return lambda: torch.cuda.set_device(torch.device(device))
 
 
 def raise_worker_error(results: list[dict[str, Any]], what: str, *, update: bool = False) -> None:

@@ -30,13 +30,16 @@ def _devices_for_two_workers() -> bool:
 
 
 @pytest.mark.skipif(not _devices_for_two_workers(), reason="tensor parallel 2 needs two GPUs (or two CPU cores)")
-def test_tp2_workers_each_receive_and_agree_with_transformers(tiny_model):
+@pytest.mark.parametrize("direct", [False, True], ids=["rpc", "doorbell"])
+def test_tp2_workers_each_receive_and_agree_with_transformers(tiny_model, direct):
+    """``direct``: the idle engine's workers (two processes) are rung through the weight-sync store
+    (option direct_receive) instead of vLLM's collective_rpc."""
     request = GenerateRequest(prompt_token_ids=[[5, 6, 7, 8], [9, 10, 11], [(i * 31) % 4000 + 10 for i in range(100)]],
                               sampling=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
 
     async def go() -> None:
         tp = await asyncio.to_thread(create_engine, "vllm", str(tiny_model), tensor_parallel_size=2,
-                                     enable_sleep_mode=False)
+                                     enable_sleep_mode=False, direct_receive=direct)
         hf = await asyncio.to_thread(create_engine, "transformers", str(tiny_model), device="cpu")
         try:
             workers = (await tp.info()).extra["workers"]
@@ -48,11 +51,13 @@ def test_tp2_workers_each_receive_and_agree_with_transformers(tiny_model):
             sync = await connect_weight_sync([tp, hf], "gloo", timeout_s=60)
             try:
                 await sync.push(perturbed(original), version=1)
+                assert (await tp.diagnostics()).last_receive.direct is direct
                 after = [c.token_ids for c in await tp.generate(request)]
                 assert after != before
                 assert after == [c.token_ids for c in await hf.generate(request)]
                 await sync.push(original, version=2)
                 assert [c.token_ids for c in await tp.generate(request)] == before
+                assert (await tp.info()).extra["direct_receives"] == (2 if direct else 0)
             finally:
                 await sync.close()
         finally:
