@@ -126,3 +126,27 @@ def test_buckets_the_trainer_keeps_are_acknowledged_once_per_push(kept: bool) ->
         for r in receivers:
             r.close()
         sender.close()
+
+
+def test_failures_count_for_the_update_they_were_reported_for() -> None:
+    """A receiver's failure report names its update: the sender stops for it during that update and
+    ignores it in later ones (no round trip to clear old reports before each push). A report
+    without an update (broadcast transports) always counts."""
+    from rollout_engines.errors import WeightSyncError
+    from rollout_engines.weights.transports import _store
+
+    store, options = _store.host_store({}, 30.0)
+    kv = _store.session_store(store, "f" * 16, options["secret"])
+    watch = _store.PeerWatch(kv, [1, 2], dead_after_s=60)
+    watch.token = "update-a"
+    watch.check(0)
+    _store.report_failure(kv, 2, "update v3 failed at bucket 4", token="update-a")
+    with pytest.raises(WeightSyncError, match="receiver rank 2 gave up: update v3 failed at bucket 4"):
+        watch.check(4)
+    watch.token = "update-b"
+    watch.check(0)  # the next update: the old report is not this one's
+    assert watch.failures_seen == watch.failures() == 1
+    assert kv.read("failed/2") is not None and kv.read("failed/1") is None
+    _store.report_failure(kv, 1, "no token")
+    with pytest.raises(WeightSyncError, match="receiver rank 1 gave up: no token"):
+        watch.check(0)

@@ -107,6 +107,33 @@ def test_gpu_push_changes_then_restores_weights(engine, tiny_model, transport):
     run(go())
 
 
+def test_doorbell_pushes_land_on_the_gpu(tiny_model):
+    """Option direct_receive on CUDA: the worker's doorbell thread (not vLLM's engine-core thread)
+    selects the worker's device, records the copy plan and its CUDA graphs, and replays them."""
+    async def go():
+        eng = await asyncio.to_thread(create_engine, "vllm", model=str(tiny_model), dtype="float32",
+                                      gpu_memory_utilization=0.2, enable_sleep_mode=False, direct_receive=True)
+        try:
+            original = {k: v.cuda() for k, v in load_checkpoint(tiny_model).items()}
+            changed = {k: v.cuda() for k, v in perturbed(load_checkpoint(tiny_model)).items()}
+            before, sums = await tokens(eng), await checksums(eng)
+            sync = await connect_weight_sync([eng], "cuda_ipc", bucket_bytes=1 << 20)
+            try:
+                for _ in range(3):
+                    await sync.push(changed, version=eng.weight_version + 1)
+                    assert (await eng.diagnostics()).last_receive.direct is True
+                    assert await tokens(eng) != before and await checksums(eng) != sums
+                    await sync.push(original, version=eng.weight_version + 1)
+                    assert await tokens(eng) == before and await checksums(eng) == sums
+            finally:
+                await sync.close()
+            assert (await eng.info()).extra["direct_receives"] == 6
+        finally:
+            await eng.close()
+
+    run(go())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="nccl needs 2 GPUs")
 def test_nccl_push_from_another_gpu(tiny_model, monkeypatch):
     import os

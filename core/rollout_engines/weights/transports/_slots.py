@@ -110,7 +110,8 @@ class SlotSender(TransportSender):
         self._token = manifest.session_id
         self._unacked, self._must, self._acked_upto = [], [], -1
         self._any_must = False
-        self._watch.clear_if_failed()
+        # Failures reported for earlier updates no longer count: no round trip before the first bucket.
+        self._watch.token = self._token
 
     def _drop_log(self, token: str) -> None:
         if token:
@@ -145,7 +146,11 @@ class SlotSender(TransportSender):
         if not self._ack_keys:  # no receivers: nothing to wait for
             return 1 << 62
         low = None
-        for value in self._kv.multi_get(self._ack_keys):
+        if len(self._ack_keys) == 1:  # one round trip (a multi_get waits for its keys first: two)
+            values = [self._kv.read(self._ack_keys[0]) or b"-:-1"]
+        else:
+            values = self._kv.multi_get(self._ack_keys)
+        for value in values:
             token, _, index = value.decode().partition(":")
             got = int(index) if token == self._token else -1
             low = got if low is None else min(low, got)
@@ -306,8 +311,6 @@ class SlotReceiver(TransportReceiver):
     def _read_log(self, index: int) -> bool:
         """Take the bucket descriptions published since the last look; whether ``index`` is among them."""
         key = f"{self._token}/log"
-        if not self._log_read and not self._kv.check([key]):
-            return False
         lines, self._log_read = self._kv.read_lines(key, self._log_read)
         for line in lines:
             head, _, raw = line.partition("\t")
@@ -339,7 +342,8 @@ class SlotReceiver(TransportReceiver):
                 self._close_slot(name, self._open.pop(name)[0], trainer_gone=False)
             return
         if self._last != len(manifest.buckets) - 1:
-            _store.report_failure(self._kv, self.rank, f"update v{manifest.version} failed at bucket {self._last + 1}")
+            _store.report_failure(self._kv, self.rank, f"update v{manifest.version} failed at bucket {self._last + 1}",
+                                  token=self._token)
         self._detach()
 
     def _trainer_gone(self) -> bool:

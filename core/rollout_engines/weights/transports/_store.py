@@ -133,6 +133,10 @@ def session_secret(options: dict[str, Any]) -> str:
     return secret
 
 
+#: A value no key of a session holds (every value starts with its signature's hex digits).
+_ABSENT = b"\0"
+
+
 class SignedStore:
     """One session's view of the store: keys under ``roe/<session>/``, values signed and checked.
 
@@ -169,6 +173,13 @@ class SignedStore:
     def get(self, key: str) -> bytes:
         return self._open(key, self.raw.get(key))
 
+    def read(self, key: str) -> bytes | None:
+        """``key``'s value, or None if it is not set: one round trip (``get`` waits for the key
+        first, a second round trip). A compare-and-set whose expected value no key ever holds
+        changes nothing and answers with what is there."""
+        blob = self.raw.compare_set(key, _ABSENT, _ABSENT)
+        return None if blob == _ABSENT else self._open(key, blob)
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self._open(k, v) for k, v in zip(keys, self.raw.multi_get(keys), strict=True)]
 
@@ -178,8 +189,11 @@ class SignedStore:
         self.raw.append(key, self._sign(key, data) + b"|" + data + b"\n")  # type: ignore[attr-defined]
 
     def read_lines(self, key: str, offset: int) -> tuple[list[str], int]:
-        """The lines appended to ``key`` past byte ``offset``, each checked, and the new offset."""
-        log = self.raw.get(key)
+        """The lines appended to ``key`` past byte ``offset``, each checked, and the new offset (no
+        lines while ``key`` is not set; one round trip either way)."""
+        log = self.raw.compare_set(key, _ABSENT, _ABSENT)
+        if log == _ABSENT:
+            return [], offset
         fresh = log[offset:]
         end = fresh.rfind(b"\n") + 1  # a line still being written is read next time
         lines = [self._open(key, line).decode() for line in fresh[:end].splitlines()]
@@ -277,6 +291,9 @@ class PeerWatch:
         now = time.monotonic()
         self._beats: dict[int, tuple[int, float]] = {r: (-1, now) for r in self.ranks}
         self.failures_seen = 0
+        #: Set: only failures reported for this update count (:func:`report_failure`'s ``token``);
+        #: one reported for an earlier update is forgotten, so a new update needs no clearing.
+        self.token: str | None = None
 
     def failures(self) -> int:
         return int(self.store.add("failures", 0))
@@ -284,9 +301,14 @@ class PeerWatch:
     def failed_ranks(self) -> dict[int, str]:
         out = {}
         for r in self.ranks:
-            key = f"failed/{r}"
-            if self.store.check([key]):
-                out[r] = _printable(self.store.get(key).decode(errors="replace"))
+            value = self.store.read(f"failed/{r}")
+            if value is None:
+                continue
+            token, tab, reason = value.decode(errors="replace").partition("\t")
+            if not tab:
+                token, reason = "", token
+            if self.token is None or not token or token == self.token:
+                out[r] = _printable(reason)
         return out
 
     def dead_ranks(self) -> list[int]:
@@ -305,11 +327,14 @@ class PeerWatch:
         sender's own cancellation)."""
         if self._cancelled is not None:
             self._cancelled(bucket)
-        if self.failures() != self.failures_seen:
+        count = self.failures()
+        if count != self.failures_seen:
             failed = self.failed_ranks()
             if failed:
                 rank, reason = next(iter(failed.items()))
                 raise WeightSyncError(f"receiver rank {rank} gave up: {reason}", peer=f"rank {rank}", bucket=bucket)
+            if self.token is not None:  # reports of earlier updates only: seen (each report sets, then counts)
+                self.failures_seen = count
         dead = self.dead_ranks()
         if dead:
             raise WeightSyncError(
@@ -336,11 +361,6 @@ class PeerWatch:
             time.sleep(HEARTBEAT_S / 2)
         return WeightSyncError(f"{transport}: send failed: {_short(cause)}", peer="a receiver", bucket=bucket)
 
-    def clear_if_failed(self) -> None:
-        """:meth:`clear` when a failure was reported since the last clear (one round trip otherwise)."""
-        if self.failures() != self.failures_seen:
-            self.clear()
-
     def clear(self) -> None:
         """Forget reported failures (after the group was rebuilt)."""
         for r in self.ranks:
@@ -364,10 +384,11 @@ def report_progress(store: SignedStore, rank: int, index: int) -> None:
     store.set(f"got/{rank}", str(index))
 
 
-def report_failure(store: SignedStore, rank: int, reason: str) -> None:
-    """Receiver side: tell the sender this rank gave up on the current update (best effort)."""
+def report_failure(store: SignedStore, rank: int, reason: str, token: str = "") -> None:
+    """Receiver side: tell the sender this rank gave up on the current update (best effort);
+    ``token``: that update's (a sender that tracks tokens ignores reports of earlier updates)."""
     try:
-        store.set(f"failed/{rank}", reason[:500])
+        store.set(f"failed/{rank}", f"{token}\t{reason[:500]}" if token else reason[:500])
         store.add("failures", 1)
     except Exception:  # the store is the trainer's: if it is gone there is nobody to tell
         logger.debug("could not report the failure of rank %d", rank, exc_info=True)
