@@ -112,9 +112,16 @@ class Doorbell:
         ``then(results)`` runs just before it is released. ``check()`` runs every
         :data:`ANSWER_WAIT_S` and raises if the engine failed. Workers that do not answer within
         ``timeout_s`` break the doorbell (the engine goes back to its RPC)."""
+        try:  # the keys are set here, on the caller's loop (a set waits for no answer), so the
+            # workers start at once, not after a thread hop; only the wait runs on the thread
+            header, stale = self._post(wire)
+        except BaseException:
+            self._busy.clear()
+            raise
+
         def run() -> list[dict[str, Any]]:
             try:
-                results = self._ring(wire, timeout_s, check)
+                results = self._answers(header, stale, timeout_s, check)
                 if then is not None:
                     then(results)
                 return results
@@ -123,37 +130,49 @@ class Doorbell:
 
         return await asyncio.wrap_future(self._thread.submit(run))
 
-    def _ring(self, wire: Mapping[str, Any], timeout_s: float, check: Callable[[], None]) -> list[dict[str, Any]]:
+    def _post(self, wire: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """Store the ring's keys; returns its header and the layout key it replaced."""
         header = {k: v for k, v in wire.items() if k != "layout"}
         layout = wire["layout"]
-        kv, door = self._kv, self.door
-        deadline = time.monotonic() + timeout_s
+        kv, door, stale = self._kv, self.door, None
         if self._layout is None or self._layout[0] is not layout:
             self._layouts += 1
             kv.set(f"door/{door}/layout/{self._layouts}", layout)
             if self._layout is not None:  # every worker answered the ring that read it
-                kv.delete_key(f"door/{door}/layout/{self._layout[1]}")
+                stale = f"door/{door}/layout/{self._layout[1]}"
             self._layout = (layout, self._layouts)
         header["layout"] = self._layout[1]
         self._n += 1
+        header["ring"] = self._n
         text = json.dumps(header)
         for r in self.ranks:  # one key per worker: each deletes its own once it answered
             kv.set(f"door/{door}/{self._n}/{r}", text)
-        done = [f"door/{door}/{self._n}/done/{r}" for r in self.ranks]
-        while True:
-            try:
-                answers = kv.multi_get(done)
-                break
-            except dist.DistStoreError:  # not all answered yet
-                check()
-                if time.monotonic() > deadline:
-                    self.broken = f"a worker did not answer update v{header['version']} within {timeout_s:.0f} s"
-                    raise WeightSyncError(
-                        f"weight update v{header['version']}: {self.broken}", peer="engine workers"
-                    ) from None
-            except (RuntimeError, OSError) as exc:  # the store (the trainer's) is gone
-                raise WeightSyncError(f"lost the weight-sync store while the workers received ({exc})",
-                                      peer="trainer (rank 0)") from exc
+        return header, stale
+
+    def _answers(
+        self, header: dict[str, Any], stale: str | None, timeout_s: float, check: Callable[[], None],
+    ) -> list[dict[str, Any]]:
+        kv, deadline = self._kv, time.monotonic() + timeout_s
+        done = [f"door/{self.door}/{header['ring']}/done/{r}" for r in self.ranks]
+        try:
+            if stale is not None:
+                kv.delete_key(stale)
+            while True:
+                try:
+                    answers = kv.multi_get(done)
+                    break
+                except dist.DistStoreError:  # not all answered yet
+                    check()
+                    if time.monotonic() > deadline:
+                        self.broken = f"a worker did not answer update v{header['version']} within {timeout_s:.0f} s"
+                        raise WeightSyncError(
+                            f"weight update v{header['version']}: {self.broken}", peer="engine workers"
+                        ) from None
+        except (RuntimeError, OSError) as exc:  # the store (the trainer's) is gone
+            if isinstance(exc, WeightSyncError):
+                raise
+            raise WeightSyncError(f"lost the weight-sync store while the workers received ({exc})",
+                                  peer="trainer (rank 0)") from exc
         self.rings += 1
         return [json.loads(v) for v in answers]
 

@@ -134,7 +134,7 @@ def session_secret(options: dict[str, Any]) -> str:
 
 
 #: A value no key of a session holds (every value starts with its signature's hex digits).
-_ABSENT = b"\0"
+_ABSENT = "\0"
 
 
 class SignedStore:
@@ -178,7 +178,7 @@ class SignedStore:
         first, a second round trip). A compare-and-set whose expected value no key ever holds
         changes nothing and answers with what is there."""
         blob = self.raw.compare_set(key, _ABSENT, _ABSENT)
-        return None if blob == _ABSENT else self._open(key, blob)
+        return None if blob == _ABSENT.encode() else self._open(key, blob)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self._open(k, v) for k, v in zip(keys, self.raw.multi_get(keys), strict=True)]
@@ -192,7 +192,7 @@ class SignedStore:
         """The lines appended to ``key`` past byte ``offset``, each checked, and the new offset (no
         lines while ``key`` is not set; one round trip either way)."""
         log = self.raw.compare_set(key, _ABSENT, _ABSENT)
-        if log == _ABSENT:
+        if log == _ABSENT.encode():
             return [], offset
         fresh = log[offset:]
         end = fresh.rfind(b"\n") + 1  # a line still being written is read next time
