@@ -1011,7 +1011,10 @@ class VllmEngine(Engine):
         raise_worker_error(results, f"joining the '{spec.transport}' weight sync")
         if door is not None and all(r.get("door") for r in results):
             ranks = [int(r["rank"]) for r in results]
-            self._door = await asyncio.to_thread(Doorbell, spec, door, ranks)
+            try:
+                self._door = await asyncio.to_thread(Doorbell, spec, door, ranks)
+            except Exception as exc:  # the pushes still work, through the RPC
+                logger.warning("direct_receive: could not reach the weight-sync store (%s); pushes use the RPC", exc)
 
     async def _drop_door(self) -> None:
         door, self._door = self._door, None
