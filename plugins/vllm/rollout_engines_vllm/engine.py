@@ -15,7 +15,9 @@ Shape of a running engine::
   process (two processes instead of three: faster start, higher throughput); ``collective_rpc``
   and gloo groups work the same in both modes.
 - Weights arrive in every worker through :mod:`.worker_ext`; the driver calls it with
-  ``collective_rpc`` as an async task, concurrently with the trainer's send.
+  ``collective_rpc`` as an async task, concurrently with the trainer's send, or, with option
+  ``direct_receive`` and no request running, rings the workers' threads through the weight-sync
+  store (:mod:`rollout_engines.weights.doorbell`) while requests wait.
 - Async RL: every prompt x sample is its own vLLM request (n=1, seed ``seed + i * n + k``, as vLLM
   seeds the samples of one request) under the caller's request id, so ``abort`` ends exactly the
   sequences named (vLLM answers an abort with the tokens made so far, ``finish_reason="abort"``).
@@ -509,12 +511,12 @@ class VllmEngine(Engine):
             await self._on_loop(lambda: llm.update_weight_version(str(self._label_version)))
 
     def _start_label(self, version: int) -> None:
-        """(Right after a push landed, before anything else may reach vLLM.) Tell vLLM the new weight version without
-        waiting for its answer, a round trip to the engine core that the push need not wait for (about
-        1 ms on a CPU). vLLM's engine core handles its client's messages in order, and :meth:`_drive`
-        lets no request go to vLLM before the label is answered, so every request submitted after the
-        push is labelled with its version; tokens of requests already running get vLLM's label as they
-        did when the push waited for it (steps may run between the push and the label either way)."""
+        """Tell vLLM the new weight version (right after a push landed, before anything else may reach
+        vLLM) without waiting for its answer: a round trip to the engine core that the push need not
+        wait for (about 1 ms on a CPU). :meth:`_drive` lets no request go to vLLM before the label is
+        answered, so every request submitted after the push is labelled with its version; tokens of
+        requests already running get vLLM's label as they did when the push waited for it (steps may
+        run between the push and the label either way)."""
         self._label_version = version
         llm, loop = self._llm, self._engine_loop
         if not hasattr(llm, "update_weight_version") or loop is None:
