@@ -235,10 +235,13 @@ class WorkerExtension:
             state["receiver"] = receiver
             door = options.get("doorbell")
             if isinstance(door, str) and has_store(spec):
-                state["door"] = DoorbellListener(
-                    spec, door, rank=spec.rank_offset + rank, receive=self._roe_receive, lock=state["lock"],
-                    setup=_device_setter(getattr(self, "device", None)),
-                )
+                try:
+                    state["door"] = DoorbellListener(
+                        spec, door, rank=spec.rank_offset + rank, receive=self._roe_receive, lock=state["lock"],
+                        setup=_device_setter(getattr(self, "device", None)),
+                    )
+                except Exception as exc:  # the driver then pushes through the RPC
+                    logger.warning("weight doorbell not started in worker %d: %s", rank, exc)
             return {"ok": True, "rank": spec.rank_offset + rank, "door": state["door"] is not None}
         except BaseException as exc:
             logger.warning("weight transfer init failed in worker: %s", exc)
