@@ -1024,14 +1024,15 @@ class VllmEngine(Engine):
             await asyncio.to_thread(door.close)
 
     def _claim_door(self, manifest: WeightManifest) -> Doorbell | None:
-        """The doorbell, marked busy, if this update may go through it: no request is in vLLM, so
-        nothing runs in the workers while they receive (requests that come meanwhile wait in
-        :meth:`_drive`)."""
+        """The doorbell, marked busy, if this update may go through it: nothing runs in the workers
+        while they receive, because no request is in vLLM or vLLM's scheduler is frozen
+        (``pause("keep")``: it steps nothing until resumed). Requests that come meanwhile wait in
+        :meth:`_drive`, other calls into vLLM in :meth:`_on_loop`."""
         door = self._door
         if door is None or manifest.lora is not None:
             return None
         with self._seqs_lock:
-            if self._seqs or not door.claim():
+            if (self._seqs and not self._vllm_paused) or not door.claim():
                 return None
         return door
 

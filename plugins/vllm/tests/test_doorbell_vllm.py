@@ -3,8 +3,8 @@ sync store's doorbell (rollout_engines.weights.doorbell), not through vLLM's ``c
 
 Real vLLM (its worker in vLLM's engine-core process), real transports; the test process is the
 trainer. What must hold: the weights land as by the RPC, a push while a request runs still goes
-through the RPC, and a request that arrives while the workers receive runs only afterwards, on
-the new weights, labelled with their version.
+through the RPC (unless ``pause("keep")`` froze vLLM's scheduler), and a request that arrives while
+the workers receive runs only afterwards, on the new weights, labelled with their version.
 """
 
 from __future__ import annotations
@@ -76,6 +76,31 @@ async def test_a_push_while_a_request_runs_goes_through_the_rpc(engine, original
     finally:
         await sync.close()
     assert versions[0] == v - 1 and versions[-1] == v and len(versions) == 800
+
+
+async def test_a_push_inside_a_keep_pause_rings_the_frozen_engine(engine, original):
+    """pause("keep") freezes vLLM's scheduler: the running request steps no more, so the workers
+    may be rung; after resume it goes on under the new weights (its versions switch once)."""
+    sync = await connect_weight_sync([engine], "shm", bucket_bytes=BUCKET, timeout_s=60)
+    v = engine.weight_version + 1
+    versions: list[int] = []
+    try:
+        one = GenerateRequest(prompt_token_ids=[[5, 6, 7, 8]],
+                              sampling=SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
+        async for d in engine.stream(one):
+            versions += [d.weight_version] * len(d.token_ids)
+            if len(versions) >= 3 and engine.weight_version < v:
+                await engine.pause("keep")
+                try:
+                    await sync.push(perturbed(original), version=v)
+                    assert (await last_receive(engine)).direct is True
+                finally:
+                    await engine.resume()
+        await sync.push(original, version=v + 1)
+    finally:
+        await sync.close()
+    switch = versions.index(v)
+    assert 3 <= switch < 120 and versions == [v - 1] * switch + [v] * (120 - switch)
 
 
 async def test_a_request_that_comes_during_a_ring_runs_after_it_on_the_new_weights(engine, original):
