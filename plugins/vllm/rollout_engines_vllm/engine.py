@@ -519,7 +519,7 @@ class VllmEngine(Engine):
         run between the push and the label either way)."""
         self._label_version = version
         llm, loop = self._llm, self._engine_loop
-        if not hasattr(llm, "update_weight_version") or loop is None:
+        if not hasattr(llm, "update_weight_version") or loop is None or loop.closed:
             return
         label = loop.submit(lambda: llm.update_weight_version(str(version)))
         label.add_done_callback(_label_done)
