@@ -6,6 +6,7 @@ ring real vLLM workers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -52,12 +53,25 @@ class Workers:
             listener.close()
 
 
-async def test_rings_reach_every_worker_with_the_layout_stored_once(spec):
-    assert has_store(spec) and not has_store(spec.model_copy(update={"options": {}}))
+@contextlib.contextmanager
+def rigged(spec: TransportSpec, answer=None, go: threading.Event | None = None):
+    """Two listening workers and the host's doorbell, closed afterwards (``go`` set first, so that
+    workers held by it let go)."""
     door = new_door()
-    workers = Workers(spec, door)
+    workers = Workers(spec, door, answer)
     bell = Doorbell(spec, door, [1, 2])
     try:
+        yield door, workers, bell
+    finally:
+        if go is not None:
+            go.set()
+        workers.close()
+        bell.close()
+
+
+async def test_rings_reach_every_worker_with_the_layout_stored_once(spec):
+    assert has_store(spec) and not has_store(spec.model_copy(update={"options": {}}))
+    with rigged(spec) as (door, workers, bell):
         layout = '{"tensors": [1, 2, 3]}'
         for v in (1, 2, 3):
             assert bell.claim()
@@ -75,17 +89,11 @@ async def test_rings_reach_every_worker_with_the_layout_stored_once(spec):
         kv = _store.session_store(_store.join_store(spec.options, 10), spec.session_id, spec.options["secret"])
         assert not kv.check([f"door/{door}/1/1"]) and not kv.check([f"door/{door}/3/done/2"])
         assert kv.check([f"door/{door}/4/done/1"]) and not kv.check([f"door/{door}/layout/1"])
-    finally:
-        workers.close()
-        bell.close()
     assert not any(listener._thread.is_alive() for listener in workers.listeners)
 
 
 async def test_a_ring_without_the_secret_runs_nothing(spec):
-    door = new_door()
-    workers = Workers(spec, door)
-    bell = Doorbell(spec, door, [1, 2])
-    try:
+    with rigged(spec) as (door, workers, bell):
         # Whoever can reach the store but lacks the session's secret writes a "ring".
         forged = _store.session_store(_store.join_store(spec.options, 10), spec.session_id, "ab" * 32)
         forged.set(f"door/{door}/1/1", '{"version": 9, "layout": 1}')
@@ -96,39 +104,26 @@ async def test_a_ring_without_the_secret_runs_nothing(spec):
         answers = await bell.ring(wire(1), timeout_s=10, check=lambda: None)
         assert [a["version"] for a in answers] == [1, 1]
         assert [w["version"] for w in workers.got[1]] == [1]
-    finally:
-        workers.close()
-        bell.close()
 
 
 async def test_a_worker_error_comes_back_as_its_answer(spec):
-    door = new_door()
-
     def answer(rank, w):
         if rank == 2:
             raise WeightSyncError("rank 2 lost a bucket")
         return {"ok": True, "version": w["version"]}
 
-    workers = Workers(spec, door, answer)
-    bell = Doorbell(spec, door, [1, 2])
-    try:
+    with rigged(spec, answer) as (door, workers, bell):
         assert bell.claim()
         first, second = await bell.ring(wire(1), timeout_s=10, check=lambda: None)
         assert first["ok"] is True
         assert second["ok"] is False and "rank 2 lost a bucket" in second["message"]
         assert bell.claim()  # the doorbell still works
         assert len(await bell.ring(wire(2), timeout_s=10, check=lambda: None)) == 2
-    finally:
-        workers.close()
-        bell.close()
 
 
 async def test_busy_until_every_worker_answered_even_if_the_caller_gives_up(spec):
-    door = new_door()
     go = threading.Event()
-    workers = Workers(spec, door, lambda rank, w: (go.wait(10), {"ok": True})[1])
-    bell = Doorbell(spec, door, [1, 2])
-    try:
+    with rigged(spec, lambda rank, w: (go.wait(10), {"ok": True})[1], go) as (door, workers, bell):
         assert bell.claim() and not bell.claim()
         task = asyncio.ensure_future(bell.ring(wire(1), timeout_s=10, check=lambda: None))
         await asyncio.sleep(0.2)
@@ -142,49 +137,31 @@ async def test_busy_until_every_worker_answered_even_if_the_caller_gives_up(spec
             await asyncio.sleep(0.01)
         assert not bell.busy and bell.claim()
         assert [a["ok"] for a in await bell.ring(wire(2), timeout_s=10, check=lambda: None)] == [True, True]
-    finally:
-        go.set()
-        workers.close()
-        bell.close()
 
 
 async def test_a_silent_worker_breaks_the_doorbell_within_the_timeout(spec):
-    door = new_door()
     go = threading.Event()
-    workers = Workers(spec, door, lambda rank, w: (go.wait(30) if rank == 2 else None, {"ok": True})[1])
-    bell = Doorbell(spec, door, [1, 2])
-    try:
+    with rigged(spec, lambda rank, w: (go.wait(30) if rank == 2 else None, {"ok": True})[1], go) as (door, workers, bell):
         assert bell.claim()
         start = time.monotonic()
         with pytest.raises(WeightSyncError, match="did not answer update v1 within 1 s"):
             await bell.ring(wire(1), timeout_s=1, check=lambda: None)
         assert time.monotonic() - start < 10
         assert bell.broken is not None and not bell.busy and not bell.claim()
-    finally:
-        go.set()
-        workers.close()
-        bell.close()
 
 
 async def test_a_failed_engine_ends_the_wait(spec):
-    door = new_door()
     go = threading.Event()
-    workers = Workers(spec, door, lambda rank, w: (go.wait(30), {"ok": True})[1])
-    bell = Doorbell(spec, door, [1, 2])
 
     def check():
         raise EngineUnavailable("the engine core died")
 
-    try:
+    with rigged(spec, lambda rank, w: (go.wait(30), {"ok": True})[1], go) as (door, workers, bell):
         assert bell.claim()
         start = time.monotonic()
         with pytest.raises(EngineUnavailable, match="engine core died"):
             await bell.ring(wire(1), timeout_s=60, check=check)
         assert time.monotonic() - start < 10
-    finally:
-        go.set()
-        workers.close()
-        bell.close()
 
 
 def test_listeners_stop_when_closed_or_when_the_store_goes():

@@ -498,23 +498,17 @@ class VllmEngine(Engine):
         max_logprobs = int(getattr(self._llm.model_config, "max_logprobs", MAX_LOGPROBS))
         if 0 <= max_logprobs < MAX_LOGPROBS:
             self.capabilities = self.capabilities.model_copy(update={"top_logprobs": max_logprobs})
-        self._sync(self._label_weights)
+        self._start_label(self._label_version)  # requests wait for it (see _drive)
         logger.info(
             "vLLM engine on %s started in %.1f s (%d worker(s), platform %s)", self.config.model,
             time.perf_counter() - start, len(self._workers), self.platform,
         )
 
-    async def _label_weights(self) -> None:
-        """Tell vLLM the weight version, which it then records per output token (WeightVersionSpan)."""
-        llm = self._llm
-        if hasattr(llm, "update_weight_version"):
-            await self._on_loop(lambda: llm.update_weight_version(str(self._label_version)))
-
     def _start_label(self, version: int) -> None:
-        """Tell vLLM the new weight version (right after a push landed, before anything else may reach
-        vLLM) without waiting for its answer: a round trip to the engine core that the push need not
-        wait for (about 1 ms on a CPU). :meth:`_drive` lets no request go to vLLM before the label is
-        answered, so every request submitted after the push is labelled with its version; tokens of
+        """Tell vLLM the weight version, which it records per output token (WeightVersionSpan): at
+        start-up, and right after a push landed, before anything else may reach vLLM. Without waiting
+        for its answer, a round trip to the engine core that the push need not wait for (about 1 ms
+        on a CPU): :meth:`_drive` lets no request go to vLLM before the label is answered, so every request submitted after the push is labelled with its version; tokens of
         requests already running get vLLM's label as they did when the push waited for it (steps may
         run between the push and the label either way)."""
         self._label_version = version
@@ -692,7 +686,7 @@ class VllmEngine(Engine):
         return start
 
     def _versions_from_spans(self, seq: _Seq, spans: Any) -> None:
-        """vLLM's own record of which weights sampled each token (labels set by _label_weights)."""
+        """vLLM's own record of which weights sampled each token (labels set by _start_label)."""
         if not spans:
             return
         versions = list(seq.versions)

@@ -173,12 +173,17 @@ class SignedStore:
     def get(self, key: str) -> bytes:
         return self._open(key, self.raw.get(key))
 
-    def read(self, key: str) -> bytes | None:
-        """``key``'s value, or None if it is not set: one round trip (``get`` waits for the key
-        first, a second round trip). A compare-and-set whose expected value no key ever holds
+    def _peek(self, key: str) -> bytes | None:
+        """``key``'s stored bytes, or None if it is not set: one round trip (``get`` waits for the
+        key first, a second round trip). A compare-and-set whose expected value no key ever holds
         changes nothing and answers with what is there."""
         blob = self.raw.compare_set(key, _ABSENT, _ABSENT)
-        return None if blob == _ABSENT.encode() else self._open(key, blob)
+        return None if blob == _ABSENT.encode() else blob
+
+    def read(self, key: str) -> bytes | None:
+        """``key``'s value, checked, or None if it is not set (one round trip)."""
+        blob = self._peek(key)
+        return None if blob is None else self._open(key, blob)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self._open(k, v) for k, v in zip(keys, self.raw.multi_get(keys), strict=True)]
@@ -191,8 +196,8 @@ class SignedStore:
     def read_lines(self, key: str, offset: int) -> tuple[list[str], int]:
         """The lines appended to ``key`` past byte ``offset``, each checked, and the new offset (no
         lines while ``key`` is not set; one round trip either way)."""
-        log = self.raw.compare_set(key, _ABSENT, _ABSENT)
-        if log == _ABSENT.encode():
+        log = self._peek(key)
+        if log is None:
             return [], offset
         fresh = log[offset:]
         end = fresh.rfind(b"\n") + 1  # a line still being written is read next time
