@@ -39,6 +39,18 @@ def test_cuda_defaults(tiny_model):
     assert not args.enforce_eager
 
 
+@pytest.mark.parametrize(("platform", "option", "used"), [
+    ("cuda", None, True), ("cpu", None, False), ("cuda", False, False), ("cpu", True, True),
+])
+def test_direct_receive_defaults_to_the_platform(platform, option, used):
+    """The doorbell (option direct_receive) is on by default where it was measured faster (CUDA),
+    off on the CPU; an explicit option wins on either."""
+    from rollout_engines_vllm.engine import VllmOptions, direct_receive_default
+
+    options = VllmOptions.model_validate({} if option is None else {"direct_receive": option})
+    assert direct_receive_default(platform, options.direct_receive) is used
+
+
 @pytest.mark.parametrize(
     ("tp", "options", "executor"),
     [

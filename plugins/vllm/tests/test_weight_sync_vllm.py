@@ -226,6 +226,8 @@ async def test_prefix_cache_reset_after_a_push_is_skipped_only_when_nothing_was_
     assert diagnostics.platform == engine.platform and diagnostics.weights_dtype == "float32"
     assert diagnostics.last_receive is not None and diagnostics.last_receive.version == engine.weight_version
     assert diagnostics.last_receive.rpc_s > 0 and diagnostics.last_receive.workers[0].total_s > 0
+    # option direct_receive is off by default on the CPU: every push took vLLM's collective_rpc
+    assert diagnostics.last_receive.direct is False and (await engine.info()).extra["direct_receive"] is False
     assert await tokens(engine, request_) == before
 
 
