@@ -77,6 +77,8 @@ def test_wake_up_serves_fresh_cache_and_level2_needs_a_push(engine, tiny_model):
         try:
             original = {k: v.cuda() for k, v in load_checkpoint(tiny_model).items()}
             await sync.push(original, version=engine.weight_version + 1)
+            # direct_receive is on by default for CUDA: the push after the sleep rang the workers
+            assert (await engine.diagnostics()).last_receive.direct is True
         finally:
             await sync.close()
         assert await tokens(engine) == before
@@ -96,6 +98,8 @@ def test_gpu_push_changes_then_restores_weights(engine, tiny_model, transport):
         try:
             for _ in range(2):  # the second round runs on the recorded copy plan
                 await sync.push(changed, version=engine.weight_version + 1)
+                # by default (CUDA) every transport with a store rings the workers; disk takes the RPC
+                assert (await engine.diagnostics()).last_receive.direct is (transport != "disk")
                 assert await tokens(engine) != before
                 assert await checksums(engine) != sums
                 await sync.push(original, version=engine.weight_version + 1)
