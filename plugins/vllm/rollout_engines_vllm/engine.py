@@ -16,8 +16,8 @@ Shape of a running engine::
   and gloo groups work the same in both modes.
 - Weights arrive in every worker through :mod:`.worker_ext`; the driver calls it with
   ``collective_rpc`` as an async task, concurrently with the trainer's send, or, with option
-  ``direct_receive`` (on by default for CUDA) and no request running, rings the workers' threads through the weight-sync
-  store (:mod:`rollout_engines.weights.doorbell`) while requests wait.
+  ``direct_receive`` (on by default for CUDA) and no request running, rings the workers' threads
+  through the weight-sync store (:mod:`rollout_engines.weights.doorbell`) while requests wait.
 - Async RL: every prompt x sample is its own vLLM request (n=1, seed ``seed + i * n + k``, as vLLM
   seeds the samples of one request) under the caller's request id, so ``abort`` ends exactly the
   sequences named (vLLM answers an abort with the tokens made so far, ``finish_reason="abort"``).
