@@ -199,9 +199,8 @@ class VllmOptions(BaseModel):
 
 def direct_receive_default(platform: str, option: bool | None) -> bool:
     """Option ``direct_receive`` as an engine on ``platform`` uses it: the option where given, else
-    on for CUDA (on an H200 the doorbell made a ~1B push 1.45x faster and a 14B-shape push 7%, see
-    benchmarks/RESULTS.md) and off elsewhere (vLLM's CPU ``reload_weights`` ran ~13% slower on the
-    doorbell's thread than on vLLM's own, so CPU pushes were no faster)."""
+    on for CUDA, where the doorbell made pushes faster, and off elsewhere, where vLLM's CPU
+    ``reload_weights`` runs slower on the doorbell's thread (benchmarks/RESULTS.md)."""
     return option if option is not None else platform == "cuda"
 
 
@@ -335,8 +334,9 @@ class VllmEngine(Engine):
         )
         self.sleep_mode = self._want_sleep_mode()
         self.capabilities = self._capabilities_for(self.platform, self.sleep_mode)
-        #: Option direct_receive, resolved for this platform.
-        self.direct_receive = direct_receive_default(self.platform, self.options.direct_receive)
+        # Option direct_receive resolved for this platform (info().extra shows it).
+        self.options = self.options.model_copy(
+            update={"direct_receive": direct_receive_default(self.platform, self.options.direct_receive)})
         self._loras: Any = None
         if self.options.enable_lora:
             from .lora import VllmLoras
@@ -520,9 +520,10 @@ class VllmEngine(Engine):
         """Tell vLLM the weight version, which it records per output token (WeightVersionSpan): at
         start-up, and right after a push landed, before anything else may reach vLLM. Without waiting
         for its answer, a round trip to the engine core that the push need not wait for (about 1 ms
-        on a CPU): :meth:`_drive` lets no request go to vLLM before the label is answered, so every request submitted after the push is labelled with its version; tokens of
-        requests already running get vLLM's label as they did when the push waited for it (steps may
-        run between the push and the label either way)."""
+        on a CPU): :meth:`_drive` lets no request go to vLLM before the label is answered, so every
+        request submitted after the push is labelled with its version; tokens of requests already
+        running get vLLM's label as they did when the push waited for it (steps may run between the
+        push and the label either way)."""
         self._label_version = version
         llm, loop = self._llm, self._engine_loop
         if not hasattr(llm, "update_weight_version") or loop is None or loop.closed:
@@ -1010,7 +1011,7 @@ class VllmEngine(Engine):
         from .worker_ext import raise_worker_error
 
         await self._drop_door()
-        door = new_door() if self.direct_receive and has_store(spec) else None
+        door = new_door() if self.options.direct_receive and has_store(spec) else None
         worker_options = {"mode": self.options.weight_apply_mode, "copy_plan": self.options.copy_plan,
                           "fp8_apply": self.options.fp8_apply, "doorbell": door}
         results = await self._rpc(
@@ -1113,7 +1114,7 @@ class VllmEngine(Engine):
             "sleep_mode": self.sleep_mode,
             "workers": getattr(self, "_workers", []),
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
-            "direct_receive": self.direct_receive,
+            "direct_receive": self.options.direct_receive,
             "direct_receives": self._direct_receives,
         }
 
