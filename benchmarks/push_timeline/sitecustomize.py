@@ -10,10 +10,10 @@ processes compare), and writes ``tl.<pid>.json`` into the folder at exit::
         rollout-engines bench push --backend vllm ... --json
     python benchmarks/push_timeline/summarize.py /tmp/tl
 
-``ROLLOUT_ENGINES_TIMELINE_RECEIVERS_FIRST=1`` also swaps the order in which a push starts its
-two halves (the engines' receives before the trainer's sender thread; the library starts the
-sender first), to measure what the order costs. A diagnostic only: it wraps functions of the
-installed library at import and changes nothing else.
+``ROLLOUT_ENGINES_TIMELINE_SENDER_FIRST=1`` starts a push's halves in the order the library
+used before: the trainer's sender thread at once, beside the engines' receives (the library now
+lets the receives take their first step first), to measure what the order costs. A diagnostic
+only: it wraps functions of the installed library at import and changes nothing else.
 """
 
 from __future__ import annotations
@@ -75,14 +75,14 @@ def _classes(module: Any) -> list[type]:
 
 
 def _session(m: Any) -> None:
-    if os.environ.get("ROLLOUT_ENGINES_TIMELINE_RECEIVERS_FIRST") == "1":
+    if os.environ.get("ROLLOUT_ENGINES_TIMELINE_SENDER_FIRST") == "1":
         import asyncio
 
-        async def _send(self: Any, manifest: Any, items: Any) -> Any:  # WeightSync._send, halves swapped
+        async def _send(self: Any, manifest: Any, items: Any) -> Any:  # WeightSync._send, the sender at once
             start = time.perf_counter()
             self.sender.cancelled.clear()
-            receivers = [asyncio.ensure_future(e.receive_weights(manifest)) for e in self.engines]
             sending = asyncio.ensure_future(asyncio.to_thread(self._stream, manifest, iter(items), start))
+            receivers = [asyncio.ensure_future(e.receive_weights(manifest)) for e in self.engines]
             await m._gather_cancelling(self.sender, sending, receivers)
             self.last_push_seconds = time.perf_counter() - start
             self._send_error = sending.exception()

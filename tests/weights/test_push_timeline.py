@@ -1,6 +1,6 @@
 """`benchmarks/push_timeline`: the stamps it records in the trainer and in the receiver processes of
-a real `bench weight-sync` run line up per push, and its swapped start order still pushes verified
-bytes."""
+a real `bench weight-sync` run line up per push, and its other start order (the sender first, as
+the library did before) still pushes verified bytes."""
 
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ def _summary(folder: Path) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.mark.parametrize("receivers_first", [False, True])
-def test_stamps_of_every_process_line_up_per_push(tmp_path, receivers_first):
-    env = {"ROLLOUT_ENGINES_TIMELINE_RECEIVERS_FIRST": "1"} if receivers_first else {}
+@pytest.mark.parametrize("sender_first", [False, True])
+def test_stamps_of_every_process_line_up_per_push(tmp_path, sender_first):
+    env = {"ROLLOUT_ENGINES_TIMELINE_SENDER_FIRST": "1"} if sender_first else {}
     result = _run(tmp_path, **env)
-    assert result["verified"] is True  # the swapped order pushes the same bytes
+    assert result["verified"] is True  # either order pushes the same bytes
     files = sorted(tmp_path.glob("tl.*.json"))
     assert len(files) >= 2  # the trainer and its receiver process(es)
     summary = _summary(tmp_path)

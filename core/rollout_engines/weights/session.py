@@ -145,9 +145,10 @@ class WeightSync:
         self.progress = progress
         self.version: int | None = None
         self.last_push_seconds = 0.0
-        #: The trainer's side of the last push, in seconds from its start: ``first_bucket`` (the
-        #: first bucket published, or packed and sent) and ``stream`` (the last one, and the
-        #: sender done: acknowledgements it waits for included).
+        #: The trainer's side of the last push, in seconds from its start: ``begin`` (the sender
+        #: began, once the engines' receives started), ``first_bucket`` (the first bucket
+        #: published, or packed and sent) and ``stream`` (the last one, and the sender done:
+        #: acknowledgements it waits for included).
         self.last_send_timings: dict[str, float] = {}
         #: Bytes of the last push's buckets (what crossed to each receiver, alignment included)
         #: and of every tensor it stands for (what a full push carries); equal but for padding
@@ -322,11 +323,18 @@ class WeightSync:
         """Stream ``items`` as ``manifest`` lays them out while every engine receives; returns the
         engines' failures (a failed send alone counts as ``[]``), or None when all applied it."""
         start = time.perf_counter()
-        # The sender first: it describes or packs the first buckets while the manifest travels to
-        # the engines (a process hop or a request), so receivers find them waiting.
         self.sender.cancelled.clear()
-        sending = asyncio.ensure_future(asyncio.to_thread(self._stream, manifest, iter(items), start))
+        # The sender's thread is started first but begins once every engine's receive took its
+        # first step (the loop runs them in order, then sets the event): that step hands the
+        # manifest on (an engine's RPC, a doorbell's store writes), which took 3-4x as long beside
+        # the sender's thread holding the GIL, while the receivers only wait for bucket 0 anyway.
+        # The wait is bounded: a receive that blocks the loop cannot stall the sender.
+        receivers_started = threading.Event()
+        sending = asyncio.ensure_future(
+            asyncio.to_thread(self._stream, manifest, iter(items), start, receivers_started)
+        )
         receivers = [asyncio.ensure_future(e.receive_weights(manifest)) for e in self.engines]
+        asyncio.get_running_loop().call_soon(receivers_started.set)
         await _gather_cancelling(self.sender, sending, receivers)
         self.last_push_seconds = time.perf_counter() - start
         self._send_error = sending.exception()
@@ -355,11 +363,17 @@ class WeightSync:
             err.failures = failures  # type: ignore[attr-defined]
             raise err from first
 
-    def _stream(self, manifest: WeightManifest, items: Iterator[tuple[str, torch.Tensor]], start: float | None = None) -> None:
+    def _stream(
+        self, manifest: WeightManifest, items: Iterator[tuple[str, torch.Tensor]], start: float | None = None,
+        after: threading.Event | None = None,
+    ) -> None:
         sender = self.sender
         clock = time.perf_counter
         start = clock() if start is None else start
         timings = self.last_send_timings = {}
+        if after is not None:
+            after.wait(SENDER_START_WAIT_S)
+            timings["begin"] = round(clock() - start, 6)
         device = sender.device()
         slots: list[torch.Tensor] = []
         show = self.progress if self.progress is not None else (sys.stderr.isatty() and manifest.total_bytes > 2**28)
@@ -445,6 +459,11 @@ class WeightSync:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+
+#: The longest a push's sender waits for the engines' receives to take their first step (they
+#: normally do within a fraction of a millisecond; a receive that blocks the event loop instead
+#: costs this much, not the push).
+SENDER_START_WAIT_S = 0.005
 
 #: Transports that send changed tensors whole in a delta push (no sparse pieces): zero-copy
 #: ``cuda_ipc`` maps the trainer's own allocations, and new index/value tensors every push would
