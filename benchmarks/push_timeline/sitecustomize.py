@@ -76,20 +76,7 @@ def _classes(module: Any) -> list[type]:
 
 def _session(m: Any) -> None:
     if os.environ.get("ROLLOUT_ENGINES_TIMELINE_SENDER_FIRST") == "1":
-        import asyncio
-
-        async def _send(self: Any, manifest: Any, items: Any) -> Any:  # WeightSync._send, the sender at once
-            start = time.perf_counter()
-            self.sender.cancelled.clear()
-            sending = asyncio.ensure_future(asyncio.to_thread(self._stream, manifest, iter(items), start))
-            receivers = [asyncio.ensure_future(e.receive_weights(manifest)) for e in self.engines]
-            await m._gather_cancelling(self.sender, sending, receivers)
-            self.last_push_seconds = time.perf_counter() - start
-            self._send_error = sending.exception()
-            failures = [(i, r) for i, r in enumerate(r.exception() for r in receivers) if r is not None]
-            return failures if failures or self._send_error is not None else None
-
-        m.WeightSync._send = _send
+        m.SENDER_START_WAIT_S = 0.0  # the sender's thread, started first, begins at once
     for attr in ("push", "_send", "_stream"):
         wrap(m.WeightSync, attr, f"sync.{attr.strip('_')}")
 

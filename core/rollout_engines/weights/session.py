@@ -326,9 +326,10 @@ class WeightSync:
         self.sender.cancelled.clear()
         # The sender's thread is started first but begins once every engine's receive took its
         # first step (the loop runs them in order, then sets the event): that step hands the
-        # manifest on (an engine's RPC, a doorbell's store writes), which took 3-4x as long beside
-        # the sender's thread holding the GIL, while the receivers only wait for bucket 0 anyway.
-        # The wait is bounded: a receive that blocks the loop cannot stall the sender.
+        # manifest on (an engine's RPC, a doorbell's store writes), which ran several times slower
+        # beside the sender's thread holding the GIL, while the receivers only wait for bucket 0
+        # anyway (benchmarks/RESULTS.md, the push's timeline). The wait is bounded: a receive that
+        # blocks the loop cannot stall the sender.
         receivers_started = threading.Event()
         sending = asyncio.ensure_future(
             asyncio.to_thread(self._stream, manifest, iter(items), start, receivers_started)
