@@ -165,8 +165,8 @@ class SglangOptions(BaseModel):
         default=False,
         description="cuda_ipc pushes of the trainer's own GPU tensors: the relay forwards each bucket's description "
         "to the plugin's loader (copy_plan), which reads the trainer's memory itself (one copy per push instead of "
-        "two), instead of staging it. On one H200 a ~1B push took 5.7 ms forwarded against 8.4 ms staged, every "
-        "push verified; off by default until its GPU test (tests/test_gpu_sglang.py -k forwarded) has passed.",
+        "two), instead of staging it. Faster on one H200 (benchmarks/RESULTS.md); off by default until its GPU test "
+        "(tests/test_gpu_sglang.py -k forwarded) has passed.",
     )
     weight_quantization: Literal["none", "fp8_block"] = Field(
         default="none",
