@@ -563,6 +563,23 @@ async def collect_stream(engine: EngineProtocol, request: GenerateRequest) -> li
     return [d async for d in engine.stream(request)]
 
 
+def start_in_flight(slot: EngineSlot, engine: EngineProtocol, request: GenerateRequest) -> Future[list[Completion]]:
+    """Start ``engine.generate(request)`` on the slot's loop and return once the engine counts it
+    outstanding (``info().outstanding``), or it is done.
+
+    A fixed sleep after submitting races a slow transport: over HTTP on a busy machine the request may
+    not have reached the engine yet, and a request the engine has not seen is not in flight."""
+    import time
+
+    pending = slot.submit(engine.generate(request))
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while not pending.done() and slot.run(engine.info()).outstanding < 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the request was not in flight after {CALL_TIMEOUT_S:.0f} s")
+        time.sleep(0.01)
+    return pending
+
+
 class LoraTests(ConformanceBase):
     """Adapters pushed with ``WeightSync.push_lora`` (capability ``lora``)."""
 
@@ -790,8 +807,8 @@ class AsyncRLTests(ConformanceBase):
 
         need(engine, "abort")
         max_tokens = 1500
-        pending = slot.submit(engine.generate(GenerateRequest(
-            prompt_token_ids=prompt_ids[:1], sampling=greedy(max_tokens), request_ids=["conf-abort"])))
+        pending = start_in_flight(slot, engine, GenerateRequest(
+            prompt_token_ids=prompt_ids[:1], sampling=greedy(max_tokens), request_ids=["conf-abort"]))
         time.sleep(0.3)
         slot.run(engine.abort(["conf-unknown"]))  # unknown ids are ignored
         start = time.monotonic()
@@ -804,12 +821,10 @@ class AsyncRLTests(ConformanceBase):
         slot.run(engine.abort_all())  # nothing running: a no-op
 
     def test_pause_wait_drains(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
-        import time
 
         if "wait" not in engine.capabilities.pause_modes:
             pytest.skip(f"backend '{engine.backend_name}' does not declare pause mode 'wait' (capability 'pause_modes')")
-        pending = slot.submit(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(200))))
-        time.sleep(0.05)
+        pending = start_in_flight(slot, engine, GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(200)))
         try:
             slot.run(engine.pause("wait"))
             assert pending.done(), "pause('wait') returns once the requests in flight are done"
@@ -833,7 +848,7 @@ class AsyncRLTests(ConformanceBase):
         v0 = engine.weight_version
         with self.restoring(slot, original_weights):
             max_tokens = 1500
-            pending = slot.submit(engine.generate(GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(max_tokens))))
+            pending = start_in_flight(slot, engine, GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(max_tokens)))
             time.sleep(0.2)
             try:
                 slot.run(engine.pause("keep"))
