@@ -164,6 +164,15 @@ def need(server: ThreadServer, flag: str) -> None:
         pytest.skip(f"the served engine does not declare capability '{flag}' (yet)")
 
 
+def wait_in_flight(server: ThreadServer, patience_s: float = 30.0) -> None:
+    """Until the server's engine counts a request outstanding: a fixed sleep after starting a request
+    races a busy machine, where the request may reach the server after the call it is meant to meet."""
+    deadline = time.monotonic() + patience_s
+    while httpx.get(server.url + "/info", headers=server.headers, timeout=30).json()["outstanding"] < 1:
+        assert time.monotonic() < deadline, f"no request in flight after {patience_s} s"
+        time.sleep(0.01)
+
+
 def reassemble(deltas: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
     seqs: dict[tuple[int, int], dict[str, Any]] = {}
     for d in deltas:
@@ -250,6 +259,7 @@ def test_abort_by_id_ends_a_running_stream(which, thread_server, scripted):
 
     t = threading.Thread(target=consume)
     t.start()
+    wait_in_flight(server)
     time.sleep(0.3)
     r = httpx.post(server.url + "/abort", json={"request_ids": ["stop-me", "unknown-id"]}, headers=server.headers,
                    timeout=30)
@@ -297,6 +307,7 @@ def test_pause_abort_ends_streams_and_keep_holds_them(scripted):
     result: dict[str, Any] = {}
     t = threading.Thread(target=lambda: result.setdefault("events", stream(scripted, "/generate/stream", body)))
     t.start()
+    wait_in_flight(scripted)
     time.sleep(0.2)
     assert httpx.post(scripted.url + "/pause", json={"mode": "abort"}, headers=h, timeout=30).status_code == 200
     t.join(60)
@@ -308,6 +319,7 @@ def test_pause_abort_ends_streams_and_keep_holds_them(scripted):
     result.clear()
     t = threading.Thread(target=lambda: result.setdefault("events", stream(scripted, "/generate/stream", body)))
     t.start()
+    wait_in_flight(scripted)
     time.sleep(0.15)
     assert httpx.post(scripted.url + "/pause", json={"mode": "keep"}, headers=h, timeout=30).status_code == 200
     time.sleep(0.5)
