@@ -518,6 +518,9 @@ class ProxyEngine(EngineProtocol):
         await self._call("reset_prefix_cache")
 
     async def pause(self, mode: PauseMode = "wait") -> None:
+        """As :meth:`Engine.pause <rollout_engines.engine.Engine.pause>` on the far engine. In flight
+        means the far engine has the request (``info().outstanding`` counts it): a call started here
+        just before the pause that reaches the far side after it is held there until :meth:`resume`."""
         await self._call("pause", mode=mode)
 
     async def resume(self) -> None:
