@@ -70,6 +70,23 @@ def test_a_dense_model_keeps_its_state_dict_names(tiny_model):
     assert list(checkpoint_named(model)) == list(model.state_dict())
 
 
+def test_a_plain_torch_model_is_received_without_importing_transformers():
+    """A receiver's first push reads its target's specs, which look for fused experts: a module
+    that is not a transformers model must not pay transformers' import (~1 s, first push only)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from rollout_engines.weights.receiver import StateDictTarget\n"
+        "specs = StateDictTarget(torch.nn.Linear(3, 2)).expected_specs()\n"
+        "assert sorted(specs) == ['bias', 'weight'], sorted(specs)\n"
+        "print('transformers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
 def test_a_transformers_trainer_pushes_its_moe_model_into_the_embedded_engine(moe_path):
     """The trainer holds the model in transformers 5 (fused experts), changes it, pushes it under
     the checkpoint's names; the engine then answers as the trainer's model does, also after a

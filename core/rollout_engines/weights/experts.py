@@ -54,12 +54,12 @@ def expert_aliases(model: torch.nn.Module) -> dict[str, ExpertSlice] | None:
     """Checkpoint name -> :class:`ExpertSlice`, for every tensor a transformers model fuses on load;
     ``None`` when it fuses nothing, is not a transformers model, or fuses in a way not understood
     here (see the module's notes)."""
+    if not hasattr(model, "config"):  # checked first: importing transformers takes ~1 s
+        return None
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, revert_weight_conversion
     except ImportError:  # transformers < 5: nothing is fused
-        return None
-    if not hasattr(model, "config"):
         return None
     hf: Any = model  # a transformers PreTrainedModel
     try:
