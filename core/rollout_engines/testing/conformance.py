@@ -821,7 +821,6 @@ class AsyncRLTests(ConformanceBase):
         slot.run(engine.abort_all())  # nothing running: a no-op
 
     def test_pause_wait_drains(self, slot: EngineSlot, engine: EngineProtocol, prompt_ids: list[list[int]]) -> None:
-
         if "wait" not in engine.capabilities.pause_modes:
             pytest.skip(f"backend '{engine.backend_name}' does not declare pause mode 'wait' (capability 'pause_modes')")
         pending = start_in_flight(slot, engine, GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(200)))
