@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 API_KEY = "test-key-5f1c"
@@ -31,6 +32,22 @@ class ThreadServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(60)
+
+
+def outstanding(server: ThreadServer) -> int:
+    """The requests the server's engine counts in flight (``/info``)."""
+    return int(httpx.get(server.url + "/info", headers=server.headers, timeout=30).json()["outstanding"])
+
+
+def wait_until(check: Any, timeout_s: float, what: str, every_s: float = 0.05) -> float:
+    """Poll ``check()`` until it is true (AssertionError naming ``what`` past ``timeout_s``);
+    returns the seconds it took."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"{what} not within {timeout_s} s")
+        time.sleep(every_s)
+    return time.monotonic() - start
 
 
 def start_thread_server(engine: Any, api_key: str | None = API_KEY, *, host: str = "127.0.0.1", port: int | None = None,

@@ -30,7 +30,7 @@ from rollout_engines.types import (
     TokenLogprob,
 )
 
-from .conftest import ThreadServer, start_thread_server
+from .conftest import ThreadServer, outstanding, start_thread_server, wait_until
 
 pytestmark = pytest.mark.remote
 
@@ -164,13 +164,10 @@ def need(server: ThreadServer, flag: str) -> None:
         pytest.skip(f"the served engine does not declare capability '{flag}' (yet)")
 
 
-def wait_in_flight(server: ThreadServer, patience_s: float = 30.0) -> None:
+def wait_in_flight(server: ThreadServer) -> None:
     """Until the server's engine counts a request outstanding: a fixed sleep after starting a request
     races a busy machine, where the request may reach the server after the call it is meant to meet."""
-    deadline = time.monotonic() + patience_s
-    while httpx.get(server.url + "/info", headers=server.headers, timeout=30).json()["outstanding"] < 1:
-        assert time.monotonic() < deadline, f"no request in flight after {patience_s} s"
-        time.sleep(0.01)
+    wait_until(lambda: outstanding(server) >= 1, 30, "the request to reach the engine", every_s=0.01)
 
 
 def reassemble(deltas: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:

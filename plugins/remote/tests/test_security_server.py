@@ -33,7 +33,7 @@ from rollout_engines_remote.server import (
     write_key_file,
 )
 
-from .conftest import API_KEY, ThreadServer, start_thread_server
+from .conftest import API_KEY, ThreadServer, outstanding, start_thread_server, wait_until
 
 pytestmark = pytest.mark.remote
 
@@ -63,19 +63,6 @@ def side_server(thread_server: ThreadServer) -> Iterator[Any]:
     yield start
     for server in started:
         server.stop()
-
-
-def outstanding(server: ThreadServer) -> int:
-    return int(httpx.get(server.url + "/info", headers=server.headers, timeout=30).json()["outstanding"])
-
-
-def wait_until(check: Any, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"{what} not within {timeout_s} s")
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 # ---- the key -------------------------------------------------------------------------------------
