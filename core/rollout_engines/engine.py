@@ -459,6 +459,10 @@ class Engine(EngineProtocol):
         self._pause_mode = mode
         self._resumed.clear()
         await self._pause(mode)
+        # ``wait`` and ``abort`` return once every call that passed the gate before the pause has
+        # returned (``info().outstanding`` is 0), whatever the backend's own drain looked at.
+        while mode != "keep" and self._outstanding:
+            await asyncio.sleep(0.005)
 
     async def resume(self) -> None:
         self._check_not_closed()
