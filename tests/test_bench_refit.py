@@ -24,6 +24,7 @@ def test_bench_refit_cli(tiny_model):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["backend"] == "transformers" and result["sleep_level"] == 2 and result["cycles"] == 2
     assert result["warmup_pushes"] == 4  # untimed pushes before the cycles
+    assert result["trainer_sets"] == 2
     for key in ("median_s", "p90_s", "first_cycle_s"):
         assert set(result[key]) == set(PHASES)
         assert all(v >= 0 for v in result[key].values())
@@ -33,6 +34,16 @@ def test_bench_refit_cli(tiny_model):
     phases = result["push_phases_median_s"]  # the engine's own account of each cycle's push
     assert phases["push"] == pytest.approx(med["push"], abs=1e-5) and 0 < phases["worker_total"] <= phases["push"]
     assert result["verified"] is True and result["pushes_verified"] == [True, True]
+
+
+def test_bench_refit_from_one_set_of_tensors(tiny_model):
+    """``--one-set``: each cycle pushes the trainer's one set, rewritten before the cycle; every
+    push is still verified (the perturbed set changed the outputs, the originals restored them)."""
+    proc = _bench("--model", str(tiny_model), "--cycles", "3", "--one-set")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["trainer_sets"] == 1
+    assert result["verified"] is True and result["pushes_verified"] == [True, True, True, True]
 
 
 def test_bench_refit_unsupported_level(tiny_model):

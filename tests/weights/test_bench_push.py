@@ -15,6 +15,7 @@ def test_push_benchmark_times_pushes_that_land(tiny_model):
     assert result["original_push_restored_weights"] is True
     assert result["tensors"] > 10 and result["bytes"] > 1_000_000
     assert result["warmup_pushes"] == 4 and result["pushes"] == 3  # 4 untimed pushes first
+    assert result["trainer_sets"] == 2  # the perturbed and the original, both kept on its device
     assert result["phases_median_s"]["push"] == pytest.approx(result["push_s"], rel=0.5)
     # every timed push, in order: the median, best and p90 are of these
     times = result["push_times_s"]
@@ -32,6 +33,42 @@ def test_push_benchmark_times_pushes_that_land(tiny_model):
     # The same-run baseline: one copy of the state on the trainer's device; ratio relates the two.
     assert result["device_copy_gbps"] > 0
     assert result["ratio"] == pytest.approx(result["gbps"] / result["device_copy_gbps"], rel=0.02, abs=1e-3)
+
+
+@pytest.mark.transformers
+def test_one_set_pushes_rewrite_the_same_tensors_and_land(tiny_model):
+    """``--one-set``: the trainer holds one set of tensors, rewritten in place before each push (as
+    an optimizer step does) from the two sets in host memory. The perturbed push still changes the
+    engine's outputs and the originals still restore them, so every rewrite reached the engine."""
+    import asyncio
+
+    import rollout_engines as roe
+    import torch
+    from rollout_engines.bench.common import push_weights
+    from rollout_engines.bench.push import run
+
+    async def sets():
+        engine = await roe.acreate_engine("transformers", model=str(tiny_model), dtype="float32")
+        try:
+            return await push_weights(engine, str(tiny_model), "shm", one_set=True)
+        finally:
+            await engine.close()
+
+    weights = asyncio.run(sets())
+    assert weights.live is not None and weights.live.keys() == weights.original.keys()
+    name = next(n for n, t in weights.original.items() if t.is_floating_point())
+    ptr = weights.live[name].data_ptr()
+    assert weights.use(weights.changed) is weights.live
+    assert torch.equal(weights.live[name], weights.changed[name]) and weights.live[name].data_ptr() == ptr
+    weights.use(weights.original)
+    assert torch.equal(weights.live[name], weights.original[name]) and weights.live[name].data_ptr() == ptr
+    assert not torch.equal(weights.original[name], weights.changed[name])
+
+    result = run({"backend": "transformers", "model": str(tiny_model), "pushes": 3, "transport": "shm",
+                  "bucket_mb": 1, "one_set": True, "option": ["dtype=\"float32\""]})
+    assert result["trainer_sets"] == 1
+    assert result["perturbed_push_changed_weights"] is True and result["original_push_restored_weights"] is True
+    assert result["bytes"] == sum(t.numel() * t.element_size() for t in weights.original.values())
 
 
 @pytest.mark.transformers

@@ -70,6 +70,10 @@ def add_push_arguments(parser: argparse.ArgumentParser, *, checksum: str) -> Non
                         help="untimed pushes first, alternating the two weight sets as the timed ones do: the "
                         "sender learns that the trainer keeps both (zero-copy cuda_ipc maps them for good from "
                         "their second push) and the engine captures its copies; 0 times from the first push")
+    parser.add_argument("--one-set", action="store_true",
+                        help="the trainer holds one set of weights and rewrites it before each push (untimed, from "
+                        "host memory), as an optimizer step does, instead of keeping two sets on its device: for a "
+                        "model whose two sets do not fit beside the engine")
     add_option_argument(parser, help="engine option; 'transport.K=V' sets a weight-transport option")
 
 
@@ -102,22 +106,42 @@ class PushBench:
 
 @dataclass
 class PushWeights:
-    """Where a push benchmark runs and the two weight sets it alternates between."""
+    """Where a push benchmark runs and the two weight sets it alternates between.
+
+    With one set (``one_set``) the trainer holds one set of tensors, ``live``, and rewrites it
+    before each push (:meth:`use`) from ``original`` or ``changed``, both then in host memory, as
+    an optimizer step rewrites a trainer's parameters in place: a model whose two sets do not fit
+    beside the engine on one GPU (the 14B shape on an 80 GB GPU) is pushed from one set."""
 
     gpu: bool
     transport: str
     device: str  #: where the trainer side holds the weights ("cuda" for cuda_ipc and nccl)
     original: dict[str, Any]
     changed: dict[str, Any]
+    live: dict[str, Any] | None = None  #: the one set pushed, with ``one_set``
 
     @property
     def total_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.original.values())
 
+    def use(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """What to push for ``tensors`` (``original`` or ``changed``): themselves, or with one set
+        the live tensors rewritten to their values (the copy is done when this returns)."""
+        if self.live is None:
+            return tensors
+        import torch
 
-async def push_weights(engine: Any, model: str, transport: str | None) -> PushWeights:
+        for name, t in self.live.items():
+            t.copy_(tensors[name], non_blocking=True)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        return self.live
+
+
+async def push_weights(engine: Any, model: str, transport: str | None, *, one_set: bool = False) -> PushWeights:
     """The engine's own weights and a perturbed copy, in its dtype, on the device ``transport``
-    sends from (default: cuda_ipc on a GPU, shm on the CPU)."""
+    sends from (default: cuda_ipc on a GPU, shm on the CPU); with ``one_set``, both in host
+    memory (pinned for a GPU) and one set on the device to push from (see :class:`PushWeights`)."""
     import torch
 
     from ..weights.checkpoint import load_checkpoint, perturbed
@@ -132,9 +156,22 @@ async def push_weights(engine: Any, model: str, transport: str | None) -> PushWe
 
         dtype = torch_dtype(dtype_name.removeprefix("torch."))
     device = "cuda" if transport in ("cuda_ipc", "nccl") else "cpu"
-    original = {k: v.to(device) for k, v in load_checkpoint(model, dtype=dtype).items()}
-    changed = perturbed(original)  # on the device: the CPU would take minutes for a 14B shape
-    return PushWeights(gpu=gpu, transport=transport, device=device, original=original, changed=changed)
+    loaded = load_checkpoint(model, dtype=dtype)
+    if not one_set:
+        original = {k: v.to(device) for k, v in loaded.items()}
+        changed = perturbed(original)  # on the device: the CPU would take minutes for a 14B shape
+        return PushWeights(gpu=gpu, transport=transport, device=device, original=original, changed=changed)
+
+    def host(t: Any) -> Any:
+        t = t.to("cpu")
+        return t.pin_memory() if device == "cuda" else t
+
+    live = {}
+    for name in list(loaded):  # one tensor at a time: the host never holds the checkpoint twice
+        live[name] = loaded[name].to(device, copy=True)
+        loaded[name] = host(loaded.pop(name))
+    changed = perturbed(live, place=host)  # drawn on the device, kept in host memory
+    return PushWeights(gpu=gpu, transport=transport, device=device, original=loaded, changed=changed, live=live)
 
 
 class Fingerprint:

@@ -8,6 +8,9 @@ copy graphs), so ``--warmup`` pushes (4) go untimed first (``first_push_s`` is t
 ``push_s`` is the median of the ``--pushes`` after them (with ``--warmup 0``: of pushes 2..N, as
 before 2026-12-04), ``push_p90_s`` their nearest-rank 90th percentile and ``push_times_s`` each of
 them in order (a full collection of Python's collector, a slow machine: the tail shows it).
+With ``--one-set`` the trainer keeps one set of tensors on its device and rewrites it before each
+push (untimed) from the two sets in host memory, as an optimizer step rewrites its parameters: a
+model whose two sets do not fit beside the engine on one GPU (``trainer_sets`` says which).
 
 Correctness is checked on the way with the weights fingerprint of the engine's
 ``diagnostics(fingerprint=True)`` when it makes one (vLLM on CUDA: the workers' parameter sums),
@@ -97,7 +100,8 @@ def run(args: Any) -> dict[str, Any]:
     warmup = max(0, int(arg(args, "warmup", WARMUP_PUSHES)))
     between = bool(arg(args, "generate_between", False))
     try:
-        weights = asyncio.run(push_weights(engine, model, arg(args, "transport", None)))
+        weights = asyncio.run(push_weights(engine, model, arg(args, "transport", None),
+                                            one_set=bool(arg(args, "one_set", False))))
         original, changed, transport = weights.original, weights.changed, weights.transport
         request = GenerateRequest(prompt_token_ids=[[11, 12, 13, 14]], sampling=SamplingParams(temperature=0, max_tokens=8))
         fingerprint = Fingerprint(engine, request)
@@ -114,7 +118,7 @@ def run(args: Any) -> dict[str, Any]:
             differs = False
             try:
                 for i in range(warmup + pushes):
-                    tensors = changed if i % 2 == 0 else original
+                    tensors = weights.use(changed if i % 2 == 0 else original)  # untimed
                     if weights.device == "cuda":
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()
@@ -128,7 +132,7 @@ def run(args: Any) -> dict[str, Any]:
                         differs = await fingerprint() != start_print
                     if i >= warmup and ((i - warmup) % 2 == 1 or pushes == 1):  # the same-run baseline, between pushes
                         copies.append(memcpy_gbps(weights.total_bytes, weights.device, repeats=2))
-                await sync.push(original, version=engine.weight_version + 1)
+                await sync.push(weights.use(original), version=engine.weight_version + 1)
                 same = await fingerprint() == start_print
                 extra.update(scalar_extras((await engine.info()).extra))  # while the transfer is open
             finally:
@@ -150,6 +154,7 @@ def run(args: Any) -> dict[str, Any]:
         "bytes": total_bytes,
         "tensors": len(original),
         "bucket_bytes": bench.bucket_bytes,
+        "trainer_sets": 2 if weights.live is None else 1,
         "pushes": pushes,
         "warmup_pushes": warmup,
         "first_push_s": round(times[0], 4),

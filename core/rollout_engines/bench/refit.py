@@ -71,7 +71,8 @@ def run(args: Any) -> dict[str, Any]:
             raise CapabilityError(
                 f"backend '{bench.backend}' does not support sleep level {level}; supported levels: {supported}"
             )
-        weights = asyncio.run(push_weights(engine, model, arg(args, "transport", None)))
+        weights = asyncio.run(push_weights(engine, model, arg(args, "transport", None),
+                                            one_set=bool(arg(args, "one_set", False))))
         original, changed, transport, gpu = weights.original, weights.changed, weights.transport, weights.gpu
         probe = GenerateRequest(prompt_token_ids=[[11, 12, 13, 14]],
                                 sampling=SamplingParams(temperature=0, max_tokens=8))
@@ -100,9 +101,9 @@ def run(args: Any) -> dict[str, Any]:
             checks: list[bool] = []
             try:
                 for i in range(warmup):  # untimed, awake; the last one leaves the originals when even
-                    await sync.push(original if i % 2 else changed, version=engine.weight_version + 1)
+                    await sync.push(weights.use(original if i % 2 else changed), version=engine.weight_version + 1)
                 for i in range(cycles):
-                    tensors = changed if i % 2 == 0 else original
+                    tensors = weights.use(changed if i % 2 == 0 else original)  # untimed
                     row: dict[str, float] = {}
                     await timed("sleep", row, engine.sleep(level=level))
                     await timed("wake_weights", row, engine.wake_up(tags=["weights"]))
@@ -115,7 +116,7 @@ def run(args: Any) -> dict[str, Any]:
                     now = await fingerprint()  # untimed
                     checks.append(now != start_print if i % 2 == 0 else now == start_print)
                 if cycles % 2 == 1:  # leave the engine on its original weights, and check that too
-                    await sync.push(original, version=engine.weight_version + 1)
+                    await sync.push(weights.use(original), version=engine.weight_version + 1)
                     checks.append(await fingerprint() == start_print)
             finally:
                 await sync.close()
@@ -137,6 +138,7 @@ def run(args: Any) -> dict[str, Any]:
         "bytes": weights.total_bytes,
         "tensors": len(original),
         "bucket_bytes": bench.bucket_bytes,
+        "trainer_sets": 2 if weights.live is None else 1,
         "checksum": bench.checksum,
         "median_s": {p: round(statistics.median(r[p] for r in later), 6) for p in PHASES},
         "p90_s": {p: round(p90([r[p] for r in later]), 6) for p in PHASES},

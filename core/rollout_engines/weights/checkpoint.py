@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,10 +87,13 @@ def load_checkpoint(model_path: str | Path, dtype: torch.dtype | None = None) ->
     return out
 
 
-def perturbed(tensors: dict[str, torch.Tensor], scale: float = 0.5, seed: int = 1) -> dict[str, torch.Tensor]:
+def perturbed(tensors: dict[str, torch.Tensor], scale: float = 0.5, seed: int = 1,
+              place: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """A copy with seeded noise added to every floating tensor: a different but valid model. The
     noise is drawn on each tensor's device (a GPU perturbs a 14B-shape state in seconds; the CPU
-    takes minutes), so the same seed gives different noise on different devices."""
+    takes minutes), so the same seed gives different noise on different devices. ``place`` moves
+    each result as soon as it is made (e.g. into host memory: the copy then never needs a second
+    state's room on the device)."""
     import torch
     gens: dict[torch.device, torch.Generator] = {}
     out = {}
@@ -100,10 +103,11 @@ def perturbed(tensors: dict[str, torch.Tensor], scale: float = 0.5, seed: int = 
             if gen is None:
                 gen = gens[t.device] = torch.Generator(device=t.device).manual_seed(seed)
             noise = torch.randn(t.shape, generator=gen, dtype=torch.float32, device=t.device)
-            out[name] = (t.float() + noise.mul_(scale * (t.float().std() + 1e-3))).to(t.dtype)
+            made = (t.float() + noise.mul_(scale * (t.float().std() + 1e-3))).to(t.dtype)
             del noise
         else:
-            out[name] = t.clone()
+            made = t.clone()
+        out[name] = made if place is None else place(made)
     return out
 
 
