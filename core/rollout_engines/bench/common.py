@@ -171,6 +171,8 @@ async def push_weights(engine: Any, model: str, transport: str | None, *, one_se
         live[name] = loaded[name].to(device, copy=True)
         loaded[name] = host(loaded.pop(name))
     changed = perturbed(live, place=host)  # drawn on the device, kept in host memory
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the noise's blocks: the engine beside it may need that room
     return PushWeights(gpu=gpu, transport=transport, device=device, original=loaded, changed=changed, live=live)
 
 

@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,21 @@ HOST_TRANSPORTS = {"gloo", "shm", "disk", "inproc", "http"}
 def error_result(exc: BaseException) -> dict[str, Any]:
     """A failed worker call in the core's one error wire format (:class:`~rollout_engines.proxy.WireError`)."""
     return {"ok": False, **WireError.of(exc).model_dump()}
+
+
+def parameter_sums(params: Iterable[torch.Tensor], chunk: int = 1 << 26) -> dict[str, float]:
+    """The sum, the sum of absolute values and the element count of ``params``, in float64. Each
+    tensor is summed in chunks of ``chunk`` elements: a whole 14B-shape embedding in float64 would
+    need 4x its memory on a GPU that already holds the engine and the trainer's weights."""
+    total, absolute, count = 0.0, 0.0, 0
+    with torch.no_grad():
+        for p in params:
+            for part in p.detach().reshape(-1).split(chunk):
+                d = part.float().double()  # float8 weights (FP8 engines) convert through float32
+                total += float(d.sum())
+                absolute += float(d.abs().sum())
+            count += p.numel()
+    return {"sum": total, "abs_sum": absolute, "numel": count}
 
 
 class VllmWeightTarget:
@@ -180,14 +195,7 @@ class WorkerExtension:
         """Sums over this worker's parameters (to compare weights where greedy tokens are not
         reproducible, e.g. real-size models on a GPU). Meaningless on CPU, where vLLM repacks
         linear weights out of their parameters."""
-        total, absolute, count = 0.0, 0.0, 0
-        with torch.no_grad():
-            for _, p in self.model_runner.get_model().named_parameters():
-                d = p.float().double()  # float8 weights (FP8 engines) convert through float32
-                total += float(d.sum())
-                absolute += float(d.abs().sum())
-                count += p.numel()
-        return {"sum": total, "abs_sum": absolute, "numel": count}
+        return parameter_sums(p for _, p in self.model_runner.get_model().named_parameters())
 
     def _roe_state(self) -> dict[str, Any]:
         state = self.__dict__.get("_roe")

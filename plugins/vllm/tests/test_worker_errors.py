@@ -49,3 +49,20 @@ def test_mismatch_stays_a_mismatch_and_other_errors_name_the_worker():
     assert type(raised([MISMATCH, MISMATCH], update=True)) is ManifestMismatch
     err = raised([OK, CRASH])
     assert "vLLM worker 1: RuntimeError: boom" in str(err)
+
+
+def test_the_weights_fingerprint_sums_large_tensors_in_chunks():
+    """The fingerprint behind ``diagnostics(fingerprint=True)`` sums each parameter in chunks (a
+    14B-shape embedding in float64 did not fit beside the engine and the trainer's weights on an
+    80 GB GPU); chunked, it is the whole tensors' float64 sums."""
+    import torch
+    from rollout_engines_vllm.worker_ext import parameter_sums
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(1000, 7, generator=gen).to(torch.bfloat16), torch.randn(3, generator=gen)]
+    whole = [p.double() for p in params]
+    sums = parameter_sums(params, chunk=64)  # 110 chunks of the first, one of the second
+    assert sums["numel"] == 7003
+    assert sums["sum"] == pytest.approx(sum(float(w.sum()) for w in whole), rel=1e-12, abs=1e-9)
+    assert sums["abs_sum"] == pytest.approx(sum(float(w.abs().sum()) for w in whole), rel=1e-12)
+    assert parameter_sums(params) == pytest.approx(sums, rel=1e-12, abs=1e-9)
