@@ -5,8 +5,8 @@
 Each push is the span of one ``WeightSync._send`` in the trainer; every stamp of any process
 inside that span (give or take 0.3 ms, not into the next or last push) is read as milliseconds
 from the span's start. Printed: per label, the median and the least over the pushes after the
-first ``--skip`` (default 5: the warm-up pushes), in the order of the medians. A label seen more than once in a push reports its
-first occurrence, and ``label (last)`` its last.
+first ``--skip`` (default 5: the warm-up pushes), in the order of the medians. A label seen more
+than once in a push reports its first occurrence, and ``label (last)`` its last.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from rollout_engines.weights.manifest import (
     validate_manifest,
 )
 from rollout_engines.weights.session import connect_weight_sync
-from wsync_helpers import tiny_state
+from wsync_helpers import bench_receiver, tiny_state
 
 pytestmark = [pytest.mark.transformers, pytest.mark.timeout(300)]
 GREEDY = GenerateRequest(prompt_token_ids=[[5, 6, 7], [100, 200], [42]],
@@ -212,13 +212,7 @@ class _Model(torch.nn.Module):
 
 
 def _receiving_engine(target_cls=None):
-    from rollout_engines.bench.weight_sync import BenchReceiverEngine
-
-    specs = [s.model_dump() for s in specs_of(list(_Model().state_dict().items()))]
-    engine = BenchReceiverEngine(EngineConfig(backend="bench-receiver", model="-", options={"specs": specs}))
-    if target_cls is not None:
-        engine.receiver.target = engine.receiver._home_target = target_cls(engine.target)
-    return engine
+    return bench_receiver(_Model().state_dict(), target_cls)
 
 
 class _NoCurrent:

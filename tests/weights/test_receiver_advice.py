@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_engines import EngineConfig
 from rollout_engines.errors import WeightSyncError
-from rollout_engines.weights.manifest import specs_of
 from rollout_engines.weights.session import connect_weight_sync
+from wsync_helpers import bench_receiver
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,12 +30,8 @@ class _OutOfMemoryOnce:
 
 
 async def test_a_receive_out_of_device_memory_names_the_memory_fraction_and_the_next_push_lands():
-    from rollout_engines.bench.weight_sync import BenchReceiverEngine
-
     state = {"a.weight": torch.randn(64, 64), "b.weight": torch.randn(8, 64)}
-    specs = [s.model_dump() for s in specs_of(list(state.items()))]
-    engine = BenchReceiverEngine(EngineConfig(backend="bench-receiver", model="-", options={"specs": specs}))
-    engine.receiver.target = engine.receiver._home_target = _OutOfMemoryOnce(engine.target)
+    engine = bench_receiver(state, _OutOfMemoryOnce)
     sync = await connect_weight_sync([engine], "inproc", timeout_s=30)
     try:
         with pytest.raises(WeightSyncError) as info:
@@ -53,16 +48,12 @@ async def test_a_receive_out_of_device_memory_names_the_memory_fraction_and_the_
 
 
 async def test_other_receive_failures_carry_no_memory_advice():
-    from rollout_engines.bench.weight_sync import BenchReceiverEngine
-
     class _Broken(_OutOfMemoryOnce):
         def apply(self, named, *, owned):
             raise RuntimeError("a loader bug")
 
     state = {"a.weight": torch.randn(64, 64)}
-    specs = [s.model_dump() for s in specs_of(list(state.items()))]
-    engine = BenchReceiverEngine(EngineConfig(backend="bench-receiver", model="-", options={"specs": specs}))
-    engine.receiver.target = engine.receiver._home_target = _Broken(engine.target)
+    engine = bench_receiver(state, _Broken)
     sync = await connect_weight_sync([engine], "inproc", timeout_s=30)
     try:
         with pytest.raises(WeightSyncError, match="a loader bug") as info:

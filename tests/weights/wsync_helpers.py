@@ -81,3 +81,16 @@ def _stalling_trainer(conn: Connection, transport: str, world_size: int, timeout
     sync = WeightSync([], sender, transport=transport, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
                       checksum=manifest.checksum, progress=False)
     sync._stream(manifest, items())
+
+
+def bench_receiver(tensors: dict[str, torch.Tensor], wrap: Callable[[Any], Any] | None = None) -> Any:
+    """An engine with nothing but a weight receiver (the benchmark's) expecting ``tensors``' names,
+    dtypes and shapes; ``wrap`` wraps its target (a target that fails, or cannot read back)."""
+    from rollout_engines.bench.weight_sync import BenchReceiverEngine
+    from rollout_engines.weights.manifest import specs_of
+
+    specs = [s.model_dump() for s in specs_of(list(tensors.items()))]
+    engine = BenchReceiverEngine(EngineConfig(backend="bench-receiver", model="-", options={"specs": specs}))
+    if wrap is not None:
+        engine.receiver.target = engine.receiver._home_target = wrap(engine.target)
+    return engine

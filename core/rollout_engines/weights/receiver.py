@@ -357,7 +357,7 @@ def _advice(exc: BaseException) -> str:
     """What to do next, for failures whose fix is the caller's: a device out of memory while
     receiving (the engine took the GPU up to its memory fraction, the trainer's tensors sit beside
     it, and an update needs room for its buffers)."""
-    if type(exc).__name__ == "OutOfMemoryError":
+    if isinstance(exc, torch.OutOfMemoryError):
         return ("; the engine's device ran out of memory while receiving: leave room beside the engine for "
                 "the trainer's tensors and the update's buffers (a lower memory fraction: vLLM's "
                 "gpu_memory_utilization or kv_cache_memory_bytes, SGLang's mem_fraction_static)")
