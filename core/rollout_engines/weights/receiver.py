@@ -91,7 +91,9 @@ class WeightReceiver:
         #: and gpu_busy. Benchmarks report it.
         self.last_timings: dict[str, float] = {}
         self._timeline = self.device.type == "cuda" and os.environ.get(TIMELINE_ENV) == "1"
-        self._validated: tuple[object, object, bool] | None = None
+        #: What the last validated manifest was checked as: its tensor list and the expected specs
+        #: (by identity) and what else decides validity (partial, delta, sparse names).
+        self._validated: tuple[object, object, tuple[object, ...]] | None = None
         #: The last complete state this receiver applied (version, fingerprints): what delta
         #: pushes are checked against (None: deltas are refused until a full push of a session
         #: that tracks its pushes). A host that swaps ``target`` for one update (a wrapper that
@@ -144,14 +146,15 @@ class WeightReceiver:
         spent = dict.fromkeys(("validate", "wait", "wait_first", "check", "apply"), 0.0)
         expected = target.expected_specs()
         is_delta = manifest.delta is not None and manifest.delta.base_version is not None
+        kind = (manifest.partial, is_delta, manifest.delta.sparse if manifest.delta is not None else ())
         cached = self._validated if model else None
         if rejection is None and (
-            cached is None or cached[0] is not manifest.tensors or cached[1] is not expected or cached[2] != is_delta
+            cached is None or cached[0] is not manifest.tensors or cached[1] is not expected or cached[2] != kind
         ):
             try:
                 validate_manifest(manifest, expected)
                 if model:  # a manifest copied from this one (same layout, next version) shares its lists
-                    self._validated = (manifest.tensors, expected, is_delta)
+                    self._validated = (manifest.tensors, expected, kind)
             except ManifestMismatch as exc:
                 rejection = exc
         current = current_reader(target, self._home_target) if model else None
@@ -177,7 +180,7 @@ class WeightReceiver:
                 if bucket.index == 0:
                     spent["wait_first"] = t1 - t0
                 try:
-                    self._check_header(manifest, header, buf)
+                    self._check_header(manifest, bucket.index, header, buf)
                     t0 = clock()
                     spent["check"] += t0 - t1
                     if rejection is not None:
@@ -252,14 +255,20 @@ class WeightReceiver:
         self.last_timings = {k: round(v, 6) for k, v in spent.items()}
 
     def _check_header(
-        self, manifest: WeightManifest, header: BucketHeader, buf: torch.Tensor | list[torch.Tensor]
+        self, manifest: WeightManifest, index: int, header: BucketHeader, buf: torch.Tensor | list[torch.Tensor]
     ) -> None:
         if header.status == BucketHeader.ABORT:
             raise WeightSyncError(
                 f"{self.label}: the sender aborted update v{manifest.version}: {header.reason}",
                 peer="trainer", bucket=header.index,
             )
-        expected = manifest.buckets[header.index].nbytes if header.index < len(manifest.buckets) else -1
+        if header.index != index:
+            raise WeightSyncError(
+                f"{self.label}: got bucket {header.index} of update v{manifest.version} where bucket {index} "
+                "was due; the transport mixed buckets up, nothing more of this update is applied",
+                peer="trainer", bucket=index,
+            )
+        expected = manifest.buckets[index].nbytes
         if header.nbytes != expected or (not isinstance(buf, list) and buf.numel() < expected):
             raise WeightSyncError(
                 f"{self.label}: bucket size {header.nbytes} does not match the manifest's {expected}",

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import threading
@@ -164,6 +165,7 @@ class WeightSync:
         #: Per bucket of the current layout: each tensor's name, dtype and shape, as torch objects.
         self._expected: dict[int, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
         self._send_error: BaseException | None = None
+        self._in_flight = False
 
     async def push(
         self,
@@ -197,9 +199,37 @@ class WeightSync:
         engines that serve an FP8 block copy (:mod:`.fp8`): each quantized ``x.weight`` travels as
         float8_e4m3fn plus ``x.weight_scale_inv``, half the bytes. Without it such engines quantize
         the BF16 tensors in their workers. Not combined with ``delta``.
+
+        One push at a time per session (another one while a push is in flight raises
+        :class:`WeightSyncError`). Cancelling the call (``asyncio.wait_for``, ``task.cancel()``)
+        aborts the update where it has not finished: the engines' receives raise, so an engine that
+        had not applied it stays on its previous weights (one applying in place refuses generation
+        until a complete push, as after any failure in flight); the cancellation returns once the
+        sender and every engine are done with the update (bounded by the session's timeout), and
+        the next delta push is full.
         """
+        with self._exclusive():
+            return await self._push(tensors, version=version, specs=specs, partial=partial,
+                                    allow_rollback=allow_rollback, delta=delta, quantize=quantize)
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
         if self._closed:
             raise WeightSyncError("this weight sync session is closed; connect a new one")
+        if self._in_flight:
+            raise WeightSyncError(
+                "a push is already in flight on this weight sync session; await it before the next one"
+            )
+        self._in_flight = True
+        try:
+            yield
+        finally:
+            self._in_flight = False
+
+    async def _push(
+        self, tensors: NamedTensors, *, version: int, specs: Sequence[TensorSpec] | None, partial: bool,
+        allow_rollback: bool, delta: bool | None, quantize: Quantization | None,
+    ) -> int:
         if not allow_rollback:
             behind = [(e.backend_name, e.weight_version) for e in self.engines if e.weight_version >= version]
             if behind:
@@ -265,14 +295,15 @@ class WeightSync:
         the adapter's own (it must increase per adapter unless ``allow_rollback``); the base weights
         and their version are untouched. Raises :class:`ManifestMismatch` (a module the model lacks,
         a shape that does not fit the rank, a rank above the engine's) with nothing installed."""
-        if self._closed:
-            raise WeightSyncError("this weight sync session is closed; connect a new one")
-        unable = [e.backend_name for e in self.engines if not e.capabilities.lora]
-        if unable:  # before anything is sent: the session stays usable for full pushes
-            raise CapabilityError(f"engine(s) {unable} of this weight sync cannot load LoRA adapters (capability 'lora')")
-        manifest, items = self._manifest(tensors.items() if isinstance(tensors, Mapping) else tensors, None, version,
-                                         allow_rollback=allow_rollback, lora=adapter)
-        self._raise_failures(version, await self._send(manifest, items), what=f"LoRA '{adapter.name}' ")
+        with self._exclusive():
+            unable = [e.backend_name for e in self.engines if not e.capabilities.lora]
+            if unable:  # before anything is sent: the session stays usable for full pushes
+                raise CapabilityError(
+                    f"engine(s) {unable} of this weight sync cannot load LoRA adapters (capability 'lora')"
+                )
+            manifest, items = self._manifest(tensors.items() if isinstance(tensors, Mapping) else tensors, None,
+                                             version, allow_rollback=allow_rollback, lora=adapter)
+            self._raise_failures(version, await self._send(manifest, items), what=f"LoRA '{adapter.name}' ")
         logger.info("pushed LoRA '%s' v%d (rank %d): %.1f MB in %.3f s to %d engine(s)", adapter.name, version,
                     adapter.rank, manifest.total_bytes / 1e6, self.last_push_seconds, len(self.engines))
         return version
@@ -336,11 +367,36 @@ class WeightSync:
         )
         receivers = [asyncio.ensure_future(e.receive_weights(manifest)) for e in self.engines]
         asyncio.get_running_loop().call_soon(receivers_started.set)
-        await _gather_cancelling(self.sender, sending, receivers)
+        try:
+            await _gather_cancelling(self.sender, sending, receivers)
+        except asyncio.CancelledError:
+            await self._abandon(manifest, sending, receivers)
+            raise
         self.last_push_seconds = time.perf_counter() - start
         self._send_error = sending.exception()
         failures = [(i, r) for i, r in enumerate(r.exception() for r in receivers) if r is not None]
         return failures if failures or self._send_error is not None else None
+
+    async def _abandon(
+        self, manifest: WeightManifest, sending: asyncio.Future[Any], receivers: Sequence[asyncio.Future[Any]]
+    ) -> None:
+        """The caller cancelled the push: the sender stops at its next bucket or wait and aborts the
+        update, so the engines' receives raise instead of applying the rest; then wait (bounded)
+        until the sender's thread and every engine are done with it, so nothing of it runs beside
+        the next push."""
+        self.sender.cancel(f"push v{manifest.version} was cancelled by its caller")
+        if self._tracker is not None:
+            self._tracker.invalidate()  # whether the engines applied it is not known alike
+        futures = [sending, *receivers]
+        pending = [f for f in futures if not f.done()]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=self.timeout_s)
+            if late:
+                logger.warning("push v%d was cancelled; %d of its parts did not finish within %.0f s",
+                               manifest.version, len(late), self.timeout_s)
+        for f in futures:  # their errors are the cancellation's consequence, not news
+            if f.done() and not f.cancelled():
+                f.exception()
 
     def _raise_failures(self, version: int, failures: list[tuple[int, BaseException]] | None, what: str = "") -> None:
         send_error, self._send_error = self._send_error, None
@@ -384,6 +440,7 @@ class WeightSync:
             pending: dict[str, torch.Tensor] = {}
             with bar as advance:
                 for bucket in manifest.buckets:
+                    sender.raise_if_cancelled(bucket.index)  # the caller gave up, or an engine refused
                     names = [manifest.tensors[i].name for i in bucket.tensors]
                     missing = {n for n in names if n not in pending}  # a set: buckets of thousands of tensors (MoE)
                     while missing:

@@ -271,7 +271,7 @@ class _RelaySender(InprocSender):
                 if self.cancelled.is_set():
                     return
                 try:
-                    q.put((header, buf), timeout=0.1)
+                    q.put((self._token, header, buf), timeout=0.1)
                     break
                 except queue.Full:
                     if time.monotonic() > deadline:

@@ -1,4 +1,8 @@
-"""``inproc``: trainer and engine in one process; buckets are handed over through queues."""
+"""``inproc``: trainer and engine in one process; buckets are handed over through queues.
+
+Each item carries its update's token (the manifest's ``session_id``): a receiver takes only its
+current update's buckets and drops what an earlier one left in its queue (an update the engine
+refused before reading it, or one that was cancelled), so no bucket lands in the wrong update."""
 
 from __future__ import annotations
 
@@ -11,10 +15,13 @@ import torch
 
 from ...errors import WeightSyncError
 from ..buckets import BucketHeader
-from ..manifest import TransportSpec
+from ..manifest import TransportSpec, WeightManifest
 from .base import TransportReceiver, TransportSender
 
-_sessions: dict[str, dict[int, queue.Queue[tuple[BucketHeader, torch.Tensor]]]] = {}
+_Item = tuple[str, BucketHeader, torch.Tensor]
+_sessions: dict[str, dict[int, queue.Queue[_Item]]] = {}
+#: How long one wait on a queue lasts before the half checks whether it was cancelled.
+_CHECK_S = 0.5
 _lock = threading.Condition()
 
 
@@ -31,24 +38,36 @@ class InprocSender(TransportSender):
                     raise WeightSyncError("inproc: receivers did not join in time", peer="engine")
                 _lock.wait(left)
 
-    def _queues(self) -> dict[int, queue.Queue[tuple[BucketHeader, torch.Tensor]]]:
+    _token = ""
+
+    def _queues(self) -> dict[int, queue.Queue[_Item]]:
         with _lock:
             return dict(_sessions.get(self.session_id, {}))
 
+    def begin(self, manifest: WeightManifest) -> None:
+        self._token = manifest.session_id
+
     def send_bucket(self, header: BucketHeader, buf: torch.Tensor) -> None:
         for rank, q in self._queues().items():
-            try:
-                q.put((header, buf), timeout=self.timeout_s)
-            except queue.Full:
-                raise WeightSyncError("inproc: receiver stopped reading", peer=f"rank {rank}", bucket=header.index) from None
+            deadline = time.monotonic() + self.timeout_s
+            while True:  # short waits: a cancelled push (an engine refused) stops within one
+                self.raise_if_cancelled(header.index)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WeightSyncError("inproc: receiver stopped reading", peer=f"rank {rank}", bucket=header.index)
+                try:
+                    q.put((self._token, header, buf), timeout=min(left, _CHECK_S))
+                    break
+                except queue.Full:
+                    continue
 
     def abort(self, reason: str) -> None:
+        item = (self._token, BucketHeader(index=-1, nbytes=0, status=BucketHeader.ABORT, reason=reason), torch.empty(0))
         for q in self._queues().values():
             # A full queue is normal (the receiver is still applying); wait for a slot instead of
             # dropping the abort, or the receiver would wait for the next bucket until its timeout.
             try:
-                q.put((BucketHeader(index=-1, nbytes=0, status=BucketHeader.ABORT, reason=reason), torch.empty(0)),
-                      timeout=min(self.timeout_s, 10.0))
+                q.put(item, timeout=min(self.timeout_s, 10.0))
             except queue.Full:
                 pass
 
@@ -64,14 +83,18 @@ class InprocReceiver(TransportReceiver):
         super().__init__(spec, rank=rank, device=device)
         # Several engines in one process would otherwise share one storage: copy unless alone.
         self.keeps_buffer = spec.world_size == 2  # type: ignore[misc]
-        self.queue: queue.Queue[tuple[BucketHeader, torch.Tensor]] = queue.Queue(maxsize=2)
+        self.queue: queue.Queue[_Item] = queue.Queue(maxsize=2)
+        self._token = ""
 
     def connect(self) -> None:
         with _lock:
             _sessions.setdefault(self.spec.session_id, {})[self.rank] = self.queue
             _lock.notify_all()
 
-    def end(self, manifest, ok: bool) -> None:  # type: ignore[no-untyped-def]
+    def begin(self, manifest: WeightManifest) -> None:
+        self._token = manifest.session_id
+
+    def end(self, manifest: WeightManifest, ok: bool) -> None:
         if not ok:  # drop what a failed update left unread, so the next one starts clean
             while not self.queue.empty():
                 self.queue.get_nowait()
@@ -84,10 +107,12 @@ class InprocReceiver(TransportReceiver):
             if left <= 0:
                 raise WeightSyncError(f"inproc: no bucket within {self.timeout_s:.0f} s", peer="trainer", bucket=index)
             try:
-                header, buf = self.queue.get(timeout=min(left, 0.5))
-                break
+                token, header, buf = self.queue.get(timeout=min(left, _CHECK_S))
             except queue.Empty:
                 continue
+            if token == self._token:
+                break
+            # An earlier update's bucket (refused or cancelled before this receiver read it): dropped.
         return header, buf.to(self.device, non_blocking=True) if buf.device != self.device else buf
 
     def close(self) -> None:
