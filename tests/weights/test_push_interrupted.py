@@ -106,3 +106,22 @@ async def test_an_incomplete_push_is_refused_after_the_same_tensors_went_as_part
     assert engine.weight_version == 1
     await sync.close()
     await engine.close()
+
+
+@pytest.mark.parametrize("fault", ["stray", "twice"])
+async def test_a_lazy_push_whose_iterator_strays_from_its_specs_fails_and_changes_nothing(fault):
+    # specs= promise every tensor the iterator yields, once and in order; a tensor they do not name
+    # (or one given twice) would otherwise be held and dropped without a word.
+    engine = _engine()
+    sync = await connect_weight_sync([engine], "inproc", bucket_bytes=4096, timeout_s=10)
+    before = {k: v.clone() for k, v in engine.net.state_dict().items()}
+    v1 = _weights(1)
+    items = list(v1.items())
+    extra = ("extra.weight", torch.zeros(3)) if fault == "stray" else items[0]
+    with pytest.raises(WeightSyncError, match="which the specs do not name" if fault == "stray" else "twice"):
+        await sync.push(iter([items[0], extra, *items[1:]]), version=1, specs=specs_of(items))
+    assert engine.weight_version == 0 and _holds(engine, before)
+    await sync.push(v1, version=2)
+    assert _holds(engine, v1)
+    await sync.close()
+    await engine.close()

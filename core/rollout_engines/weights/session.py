@@ -166,6 +166,7 @@ class WeightSync:
         self._expected: dict[int, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
         self._send_error: BaseException | None = None
         self._in_flight = False
+        self._names: tuple[object, frozenset[str]] | None = None
 
     async def push(
         self,
@@ -438,6 +439,7 @@ class WeightSync:
         try:
             sender.begin(manifest)
             pending: dict[str, torch.Tensor] = {}
+            known, taken = self._names_of(manifest), set()
             with bar as advance:
                 for bucket in manifest.buckets:
                     sender.raise_if_cancelled(bucket.index)  # the caller gave up, or an engine refused
@@ -452,6 +454,14 @@ class WeightSync:
                                 f"the tensor iterator ended before '{first}' (named in the specs)",
                                 bucket=bucket.index,
                             ) from None
+                        if name in taken or name not in known:
+                            raise WeightSyncError(
+                                f"the tensor iterator gave '{name}' "
+                                + ("twice" if name in taken else "which the specs do not name")
+                                + "; with specs= it must yield each tensor the specs name once, in order",
+                                bucket=bucket.index,
+                            )
+                        taken.add(name)
                         pending[name] = tensor  # not detached: a new tensor would hide who else holds it
                         missing.discard(name)
                     srcs = [pending[n] for n in names]
@@ -503,6 +513,12 @@ class WeightSync:
             except Exception:  # the peer may be gone already; the original error matters
                 logger.debug("abort after failure also failed", exc_info=True)
             raise
+
+    def _names_of(self, manifest: WeightManifest) -> frozenset[str]:
+        """The names ``manifest`` carries (kept while the layout stays: its tensor list is shared)."""
+        if self._names is None or self._names[0] is not manifest.tensors:
+            self._names = (manifest.tensors, frozenset(t.name for t in manifest.tensors))
+        return self._names[1]
 
     async def close(self) -> None:
         if self._closed:
