@@ -256,6 +256,42 @@ async def test_pause_abort_returns_partial_results(engine: TransformersEngine, w
     await engine.resume()
 
 
+async def test_abort_of_requests_held_by_a_pause(engine: TransformersEngine) -> None:
+    await engine.pause("keep")
+    held = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:1], sampling=endless(),
+                                                                 request_ids=["h"])))
+    half = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:2], sampling=greedy(200),
+                                                                 request_ids=["h0", "h1"])))
+
+    async def consume() -> list[Any]:
+        request = GenerateRequest(prompts=PROMPTS[:1], sampling=endless(), request_ids=["hs"])
+        return [d async for d in engine.stream(request)]
+
+    streamed = asyncio.ensure_future(consume())
+    other = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:1], sampling=greedy(3))))
+    await asyncio.sleep(0.05)  # all four reach the pause's gate in the loop's next round
+    assert not any(t.done() for t in (held, half, streamed, other)) and (await engine.info()).outstanding == 0
+    await engine.abort(["h", "hs", "h0"])
+    await engine.resume()
+    out = (await asyncio.wait_for(held, PROMPTLY_S))[0]
+    assert (out.request_id, out.finish_reason, out.token_ids) == ("h", "abort", [])  # never ran
+    assert [(d.request_id, d.finish_reason, d.token_ids) for d in await asyncio.wait_for(streamed, PROMPTLY_S)] \
+        == [("hs", "abort", [])]
+    h0, h1 = await asyncio.wait_for(half, PATIENCE_S)  # runs; its aborted id ends as soon as it started
+    assert (h0.finish_reason, h1.finish_reason) == ("abort", "length") and len(h0.token_ids) < 200
+    assert len((await asyncio.wait_for(other, PATIENCE_S))[0].token_ids) == 3  # not aborted: runs in full
+
+
+async def test_abort_all_ends_requests_held_by_a_pause(engine: TransformersEngine) -> None:
+    await engine.pause("keep")
+    held = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:2], sampling=endless())))
+    await asyncio.sleep(0.05)
+    await engine.abort_all()
+    await engine.resume()
+    outs = await asyncio.wait_for(held, PROMPTLY_S)
+    assert [(c.finish_reason, c.token_ids) for c in outs] == [("abort", []), ("abort", [])]
+
+
 async def test_pause_keep_push_resume_continues_with_new_weights(engine: TransformersEngine, tiny_model: Path, wait_until: Callable[..., Any]) -> None:
     original = load_checkpoint(tiny_model)
     prompt = PROMPTS[:1]

@@ -304,6 +304,56 @@ async def test_a_stream_stopped_early_ends_on_the_far_side(proxy):
     assert (await engine.info()).outstanding == 0
 
 
+async def test_a_stream_cancelled_while_it_opens_ends_on_the_far_side(tmp_path):
+    from rollout_engines.process import ProcessEngine
+
+    engine = await asyncio.to_thread(ProcessEngine, config(tmp_path), factory=FACTORY, start_timeout_s=120)
+    try:
+        long = GenerateRequest(prompt_token_ids=[[5]], sampling=SamplingParams(max_tokens=500))
+
+        async def consume() -> None:
+            async for _ in engine.stream(long):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        deadline = time.monotonic() + 10
+        while not engine.pipe._pending:  # _stream_open is on its way to the child
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0)
+        task.cancel()  # e.g. the caller's asyncio.wait_for ran out
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(engine.pause("wait"), 10)  # returns once the far stream has ended
+        assert (await engine.info()).outstanding == 0
+    finally:
+        await engine.close()
+
+
+async def test_a_far_stream_closed_before_it_opens_or_not_polled_ends():
+    from recording_engine import RecordingEngine
+    from rollout_engines.proxy import SIGNATURES, EngineHost
+
+    far = RecordingEngine(EngineConfig(backend="recording", model="recording"))
+    host = EngineHost(far, stream_idle_s=0.2)
+    wire = SIGNATURES["stream"].params["request"].encode(
+        GenerateRequest(prompt_token_ids=[[5]], sampling=SamplingParams(max_tokens=500)))
+    try:
+        await host.call("_stream_close", {"sid": "early"})  # the close overtook its open
+        with pytest.raises(EngineClosed):
+            await host.call("_stream_open", {"request": wire, "sid": "early"})
+        await host.call("_stream_open", {"request": wire, "sid": "lost"})
+        assert (await host.call("_stream_next", {"sid": "lost"}))["items"]
+        assert (await far.info()).outstanding == 1  # its caller vanished without closing it
+        deadline = time.monotonic() + 10
+        while (await far.info()).outstanding:
+            assert time.monotonic() < deadline, "a stream nobody polls was never ended"
+            await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match="no open stream"):
+            await host.call("_stream_next", {"sid": "lost"})
+    finally:
+        await far.close()
+
+
 # ---- the one partial-failure rule (worker results as the vLLM worker extension sends them) -------
 OK = {"ok": True, "version": 3}
 LOST = {"ok": False, "error": "WeightSyncError", "message": "gloo: no bucket within 60 s; peer: trainer (rank 0); bucket: 2",

@@ -256,6 +256,27 @@ async def test_close_fails_queued_requests_and_frees_the_model(engine: Transform
     assert engine.hf_model is None and not engine._worker.is_alive()
 
 
+async def test_close_ends_a_queued_stream(engine: TransformersEngine) -> None:
+    gate = threading.Event()
+    blocker = asyncio.ensure_future(engine._call(gate.wait))  # holds the worker: the stream stays queued
+
+    async def consume() -> list[object]:
+        return [d async for d in engine.stream(GenerateRequest(prompts=PROMPTS[:1], sampling=greedy(4)))]
+
+    consumer = asyncio.ensure_future(consume())
+    deadline = time.monotonic() + 30
+    while not engine._ids:  # queued
+        assert time.monotonic() < deadline, "the stream's request was never queued"
+        await asyncio.sleep(0.005)
+    closing = asyncio.ensure_future(engine.close())
+    await asyncio.sleep(0.05)
+    gate.set()
+    await closing
+    await blocker
+    with pytest.raises(EngineClosed):
+        await asyncio.wait_for(consumer, 5)  # woken, not left waiting for rows that never come
+
+
 def test_capabilities_on_cpu(tiny_model: Path) -> None:
     engine = create_engine("transformers", model=str(tiny_model), device="cpu")
     asyncio.run(engine.close())

@@ -188,6 +188,8 @@ class Engine(EngineProtocol):
         self._held_since = 0.0
         self._held_total_s = 0.0
         self._pause_mode: PauseMode | None = None
+        # request id -> aborted, for requests waiting at the pause gate (see _pass_gate)
+        self._gated: dict[str, bool] = {}
         self._weight_update_lock = threading.Lock()
         #: The update being received: (version, monotonic start, its timeout), else None.
         self._receiving: tuple[int, float, float] | None = None
@@ -345,16 +347,72 @@ class Engine(EngineProtocol):
             return request
         return request.model_copy(update={"request_ids": request.sequence_ids()})
 
+    async def _pass_gate(self, request: GenerateRequest) -> set[str]:
+        """Wait while paused; returns the ids of ``request`` aborted meanwhile (:meth:`abort`)."""
+        if self._resumed.is_set():
+            return set()
+        ids = request.request_ids or ()
+        gated = self._gated
+        for rid in ids:
+            gated[rid] = False
+        try:
+            await self._resumed.wait()
+        finally:
+            aborted = {rid for rid in ids if gated.pop(rid, False)}
+        return aborted
+
+    #: How long the ids of a request aborted while a pause held it are aborted again and again
+    #: until the backend knows them (it takes a request within milliseconds of its start).
+    ABORT_RETRY_S: ClassVar[float] = 2.0
+
+    @contextlib.asynccontextmanager
+    async def _aborting(self, aborted: set[str]) -> AsyncGenerator[None, None]:
+        """Around a request some of whose ids were aborted while it waited at the gate: abort them
+        as soon as the backend knows them (an abort of an id it does not know yet is a no-op)."""
+        if not aborted:
+            yield
+            return
+
+        async def abort_until_ended() -> None:
+            delay, deadline = 0.0, time.monotonic() + self.ABORT_RETRY_S
+            while time.monotonic() < deadline:
+                await asyncio.sleep(delay)
+                try:
+                    await self._abort(list(aborted))
+                except Exception as exc:
+                    logger.debug("abort of %s (held while paused) failed: %r", sorted(aborted), exc)
+                    return
+                delay = min(0.05, delay * 2 or 0.002)
+
+        task = asyncio.ensure_future(abort_until_ended())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    def _aborted_unrun(self, request: GenerateRequest) -> list[Completion]:
+        """What a request aborted as a whole before it ran returns: no tokens, ``finish_reason="abort"``."""
+        ids, n = request.request_ids or (), request.sampling.n
+        prompts = request.prompt_token_ids or [[] for _ in range(request.batch_size)]
+        return [
+            Completion(request_id=rid, prompt_index=i // n, sample_index=i % n, prompt_token_ids=list(prompts[i // n]),
+                       token_ids=[], finish_reason="abort", weight_version=self.weight_version)
+            for i, rid in enumerate(ids)
+        ]
+
     async def generate(self, request: GenerateRequest) -> list[Completion]:
         """Generate for every prompt of the batch; returns batch_size * n completions, prompt-major."""
         self._check_usable()
         self._check_request(request)
-        await self._resumed.wait()
-        self._check_usable()
         request = self._with_ids(request)
+        aborted = await self._pass_gate(request)
+        self._check_usable()
+        if aborted and len(aborted) >= len(request.request_ids or ()):
+            return self._aborted_unrun(request)
         self._outstanding += 1
         try:
-            outs = await self._generate(request)
+            async with self._aborting(aborted):
+                outs = await self._generate(request)
         finally:
             self._outstanding -= 1
         ids = request.request_ids or ()
@@ -370,14 +428,20 @@ class Engine(EngineProtocol):
         ``streaming`` capability yield each sequence whole when it is done."""
         self._check_usable()
         self._check_request(request)
-        await self._resumed.wait()
-        self._check_usable()
         request = self._with_ids(request)
+        aborted = await self._pass_gate(request)
+        self._check_usable()
+        if aborted and len(aborted) >= len(request.request_ids or ()):
+            for c in self._aborted_unrun(request):
+                yield StreamDelta(request_id=c.request_id, prompt_index=c.prompt_index, sample_index=c.sample_index,
+                                  weight_version=c.weight_version, finish_reason="abort")
+            return
         self._outstanding += 1
         inner = self._stream(request)
         try:
-            async for delta in inner:
-                yield delta
+            async with self._aborting(aborted):
+                async for delta in inner:
+                    yield delta
         finally:
             self._outstanding -= 1
             # A caller that stops early ends the backend's stream now (its requests are cancelled),
@@ -386,15 +450,23 @@ class Engine(EngineProtocol):
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Finish these requests now: each returns (or streams its last delta) promptly with
-        ``finish_reason="abort"`` and the tokens made so far. Unknown or finished ids are ignored."""
+        ``finish_reason="abort"`` and the tokens made so far. A request held by a pause is not run
+        after :meth:`resume` (it returns no tokens). Unknown or finished ids are ignored."""
         require(self.capabilities, "abort", self.backend_name, "abort requests")
         self._check_not_closed()
-        await self._abort(list(request_ids))
+        ids = list(request_ids)
+        gated = self._gated
+        for rid in ids:
+            if rid in gated:
+                gated[rid] = True
+        await self._abort(ids)
 
     async def abort_all(self) -> None:
-        """:meth:`abort` every running request."""
+        """:meth:`abort` every running request, and every request a pause holds."""
         require(self.capabilities, "abort", self.backend_name, "abort requests")
         self._check_not_closed()
+        for rid in self._gated:
+            self._gated[rid] = True
         await self._abort(None)
 
     async def chat(self, request: GenerateRequest) -> list[Completion]:

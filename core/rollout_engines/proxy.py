@@ -29,8 +29,11 @@ each stated once here:
    so it stays itself).
 6. **Streams** cross as a cursor (:meth:`EngineHost` ``_stream_open`` / ``_stream_next`` /
    ``_stream_close``): the far side buffers at most ``stream_buffer`` deltas and produces no
-   further than the caller consumes; a caller that stops early closes the far stream. A channel
-   with a native stream (HTTP server-sent events) overrides :meth:`Channel.stream`.
+   further than the caller consumes. The caller names the stream (``sid``) when it opens it and
+   closes it whatever happened unless it read the end, so a caller cancelled while the open was
+   on its way still ends the far stream (a close that arrives first makes the open refused). A
+   far stream nobody polled for :data:`STREAM_IDLE_S` is ended (a caller that vanished). A
+   channel with a native stream (HTTP server-sent events) overrides :meth:`Channel.stream`.
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ import inspect
 import itertools
 import logging
 import sys
+import time
 import traceback
 import typing
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -71,6 +76,11 @@ logger = logging.getLogger("rollout_engines.proxy")
 WEIGHT_MARGIN_S = 60.0
 #: Seconds a far stream waits for a delta before it answers "nothing yet" (the caller asks again).
 STREAM_POLL_S = 10.0
+#: Seconds a far stream may go without being polled before the host ends it (its caller is gone;
+#: long enough for a consumer that holds a delta while it does other work).
+STREAM_IDLE_S = 60 * STREAM_POLL_S
+#: Stream ids closed before they were opened that a host remembers (their late open is refused).
+_CLOSED_EARLY_KEPT = 1024
 
 
 # ---- the error wire format ----------------------------------------------------------------------
@@ -234,14 +244,20 @@ class EngineHost:
     """Serves one :class:`Engine` to a channel: wire values in, wire values (or exceptions) out.
 
     Besides the protocol's methods it answers ``describe`` and the stream cursor
-    (``_stream_open``, ``_stream_next``, ``_stream_close``).
+    (``_stream_open``, ``_stream_next``, ``_stream_close``). ``stream_buffer``: deltas a far
+    stream holds for its caller; ``stream_idle_s``: a far stream not polled for this long is ended.
     """
 
-    def __init__(self, engine: EngineProtocol, *, stream_buffer: int = 64) -> None:
+    def __init__(self, engine: EngineProtocol, *, stream_buffer: int = 64,
+                 stream_idle_s: float = STREAM_IDLE_S) -> None:
         self.engine = engine
         self.stream_buffer = stream_buffer
+        self.stream_idle_s = stream_idle_s
         self._streams: dict[str, _FarStream] = {}
         self._ids = itertools.count()
+        # ids closed before their open arrived (the caller gave up while it was on its way)
+        self._closed_early: dict[str, None] = {}
+        self._reaper: asyncio.Task[None] | None = None
 
     def describe(self) -> dict[str, Any]:
         e = self.engine
@@ -279,20 +295,33 @@ class EngineHost:
             return False, WireError.of(exc).model_dump()
 
     def _open(self, args: Mapping[str, Any]) -> str:
+        """Open the stream the caller named ``sid`` (older callers name none: one is made here)."""
         request = SIGNATURES["stream"].params["request"].decode(args["request"])
-        sid = f"s{next(self._ids)}"
+        sid = str(args.get("sid") or f"s{next(self._ids)}")
+        if sid in self._closed_early:
+            del self._closed_early[sid]
+            raise EngineClosed(f"stream '{sid}' was closed by its caller before it opened")
+        if sid in self._streams:
+            raise InvalidRequest(f"stream id '{sid}' is already open; use a new id for each stream")
         self._streams[sid] = _FarStream(self.engine.stream(request), self.stream_buffer)
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.ensure_future(self._reap())
         return sid
 
     async def _next(self, sid: str) -> dict[str, Any]:
         stream = self._streams.get(sid)
         if stream is None:
-            raise ValueError(f"no open stream '{sid}' (finished, closed, or the engine was restarted)")
+            raise ValueError(f"no open stream '{sid}' (finished, closed, not polled for "
+                             f"{self.stream_idle_s:.0f} s, or the engine was restarted)")
+        stream.polling += 1
         try:
             items, done = await stream.take(STREAM_POLL_S)
         except BaseException:
             self._streams.pop(sid, None)
             raise
+        finally:
+            stream.polling -= 1
+            stream.polled = time.monotonic()
         if done:
             self._streams.pop(sid, None)
         return {"items": items, "done": done}
@@ -301,10 +330,28 @@ class EngineHost:
         stream = self._streams.pop(sid, None)
         if stream is not None:
             await stream.cancel()
+            return
+        # Not open (yet): its open may still be on its way; refuse it when it comes.
+        self._closed_early[sid] = None
+        while len(self._closed_early) > _CLOSED_EARLY_KEPT:
+            del self._closed_early[next(iter(self._closed_early))]
 
     async def _close_streams(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         for sid in list(self._streams):
             await self._close_stream(sid)
+
+    async def _reap(self) -> None:
+        """End far streams whose caller stopped polling (a safety net: callers close their own)."""
+        while self._streams:
+            await asyncio.sleep(min(STREAM_POLL_S, self.stream_idle_s))
+            now = time.monotonic()
+            for sid, stream in list(self._streams.items()):
+                if not stream.polling and now - stream.polled > self.stream_idle_s:
+                    logger.warning("stream '%s' was not polled for %.0f s: ending it", sid, self.stream_idle_s)
+                    if self._streams.pop(sid, None) is stream:
+                        await stream.cancel()
 
 
 class _FarStream:
@@ -315,6 +362,8 @@ class _FarStream:
     def __init__(self, deltas: AsyncIterator[StreamDelta], buffer: int) -> None:
         self.queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=max(1, buffer))
         self.buffer = max(1, buffer)
+        self.polling = 0  # _stream_next calls waiting on it now
+        self.polled = time.monotonic()  # when the last one ended (or the stream opened)
         self.task = asyncio.ensure_future(self._run(deltas))
 
     async def _run(self, deltas: AsyncIterator[StreamDelta]) -> None:
@@ -387,17 +436,19 @@ class Channel(abc.ABC):
     async def call(self, method: str, args: dict[str, Any], timeout_s: float | None) -> Any: ...
 
     async def stream(self, request: Any, timeout_s: float | None) -> AsyncIterator[Any]:
-        """Wire deltas of ``engine.stream(request)``, by the far host's cursor."""
-        sid = await self.call("_stream_open", {"request": request}, timeout_s)
+        """Wire deltas of ``engine.stream(request)``, by the far host's cursor. The stream's id is
+        chosen here, so it can be closed even if this caller is cancelled while opening it."""
+        sid = uuid.uuid4().hex
         done = False
         try:
+            sid = str(await self.call("_stream_open", {"request": request, "sid": sid}, timeout_s) or sid)
             while not done:
                 out = await self.call("_stream_next", {"sid": sid}, timeout_s)
                 done = bool(out["done"])
                 for item in out["items"]:
                     yield item
         finally:
-            if not done:  # the caller stopped early (or the far side failed): end the far stream
+            if not done:  # the caller stopped early (or the open or the far side failed): end the far stream
                 try:
                     await self.call("_stream_close", {"sid": sid}, 30.0)
                 except Exception:

@@ -140,6 +140,26 @@ async def test_failed_engine_requests_complete_exactly_once_on_the_others():
     assert stats[0]["serving"] and stats[2]["serving"]
 
 
+async def test_a_stream_waiting_on_a_member_marked_down_is_retried_elsewhere():
+    hung, ok = EchoEngine("hung", delay_s=1000.0), EchoEngine("ok")
+    group = EngineGroup([hung, ok], routing="round_robin", health_interval_s=None)
+
+    async def consume() -> list:
+        return [d async for d in group.stream(req(3, tag="s"))]
+
+    stream = asyncio.ensure_future(consume())  # round robin: member 0
+    for _ in range(100):
+        if hung.concurrent:
+            break
+        await asyncio.sleep(0.01)
+    assert hung.concurrent == 1
+    hung.crashed = True  # hung, not answering: its health check fails now
+    await group.check_health()
+    deltas = await asyncio.wait_for(stream, 5)  # evicted before its first delta: retried on member 1
+    assert [t for d in deltas for t in d.token_ids] == echo_tokens(3, 0, 2) and deltas[-1].finish_reason == "length"
+    assert ok.served["s"] == 1 and group.retried == 1 and hung.concurrent == 0
+
+
 async def test_client_errors_are_raised_not_retried():
     group, engines = group_of(2)
     with pytest.raises(ValueError, match="token ids must be < 1000"):
@@ -181,6 +201,29 @@ async def test_fan_out_of_sleep_wake_pause_resume_and_prefix_reset():
     assert (await pending)[0].token_ids == echo_tokens(1, 0, 2)
     info = await group.info()
     assert info.backend == "group" and len(info.extra["members"]) == 3
+
+
+async def test_a_member_down_while_the_group_changed_state_comes_back_in_the_groups_state():
+    group, engines = group_of(2, routing="round_robin")
+    await group.sleep(level=1)
+    await group.pause()
+    engines[0].crashed = True  # a transient failure: its health check fails
+    assert await group.check_health() == [False, True]
+    await group.wake_up()
+    await group.resume()  # member 0 is down: neither reaches it
+    assert engines[0]._asleep and engines[0]._paused
+    engines[0].crashed = False
+    assert await group.check_health() == [True, True]
+    assert not engines[0]._asleep and not engines[0]._paused  # woken and resumed as it rejoined
+    outs = await asyncio.wait_for(asyncio.gather(*(group.generate(req()) for _ in range(4))), 5)
+    assert len(outs) == 4 and [e.calls for e in engines] == [2, 2]
+    engines[1].crashed = True  # and the other way: down while the group slept and paused
+    await group.check_health()
+    await group.sleep(level=1)
+    await group.pause()
+    engines[1].crashed = False
+    assert await group.check_health() == [True, True]
+    assert engines[1]._asleep and engines[1]._paused
 
 
 async def test_weight_push_reaches_every_worker_with_rank_offsets():

@@ -168,6 +168,7 @@ class EngineGroup(_Router):
         self._health_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._weights_lock: asyncio.Lock | None = None
+        self._state_lock = asyncio.Lock()
         self._session_plan: list[_Member] | None = None
         self._last_transport: str | None = None
         self._sleep_state: tuple[int, list[str]] | None = None
@@ -249,8 +250,9 @@ class EngineGroup(_Router):
 
     async def _stream(self, request: GenerateRequest) -> AsyncGenerator[StreamDelta, None]:
         """Routed like :meth:`_generate`; the whole stream stays on one member. A member that fails
-        before its first delta is retried elsewhere; one that fails after it ends the stream with
-        the error (the deltas already delivered cannot be taken back)."""
+        (or is marked down while the stream waits for its next delta) before its first delta is
+        retried elsewhere; one that fails after it ends the stream with the error (the deltas
+        already delivered cannot be taken back)."""
         deadline = None
         failures = 0
         ids, prefer = self._admit(request)
@@ -266,7 +268,11 @@ class EngineGroup(_Router):
                 delivered = False
                 deltas = member.engine.stream(request)
                 try:
-                    async for delta in deltas:
+                    while True:
+                        try:
+                            delta = await self._next_delta(member, deltas)
+                        except StopAsyncIteration:
+                            break
                         delivered = True
                         if delta.finish_reason is not None:  # this sequence is done: not abortable
                             self._owners.pop(delta.request_id, None)
@@ -303,6 +309,29 @@ class EngineGroup(_Router):
                 self._enter(ids)
         finally:
             self._leave(ids)
+
+    async def _next_delta(self, member: _Member, deltas: AsyncGenerator[StreamDelta, None]) -> StreamDelta:
+        """The member's next delta. While it is awaited the task counts as in flight on the member,
+        so a member marked down meanwhile ends the wait (:class:`EngineUnavailable`), as it does a
+        :meth:`_generate`; while the caller holds a delta, it does not."""
+        task = asyncio.current_task()
+        assert task is not None
+        member.inflight.add(task)
+        try:
+            delta = await deltas.__anext__()
+        except asyncio.CancelledError:
+            if not (self._evicted and self._take_eviction(task)):
+                raise  # the caller cancelled
+            raise EngineUnavailable(f"member {member.index} was marked down") from None
+        except BaseException:
+            if self._evicted:
+                self._take_eviction(task)
+            raise
+        finally:
+            member.inflight.discard(task)
+        if self._evicted:  # the member answered although the group cancelled the wait
+            self._take_eviction(task)
+        return delta
 
     # ---- request ids: abort routing and continuation ---------------------------------------------
     def _enter(self, ids: Sequence[str]) -> None:
@@ -414,24 +443,30 @@ class EngineGroup(_Router):
             raise first
         return [r for r in results if not isinstance(r, BaseException)]
 
+    # The state lock keeps a rejoining member's catch-up (membership._apply_group_state) from
+    # interleaving with these fan-outs.
     async def _sleep(self, level: int, tags: Sequence[str]) -> None:
-        await self._fan_out(lambda e: e.sleep(level, tags), "sleep")
-        self._sleep_state = (level, list(tags))
+        async with self._state_lock:
+            await self._fan_out(lambda e: e.sleep(level, tags), "sleep")
+            self._sleep_state = (level, list(tags))
 
     async def _wake_up(self, tags: Sequence[str]) -> None:
-        await self._fan_out(lambda e: e.wake_up(tags), "wake_up")
-        if self._sleep_state is not None:
-            left = [t for t in self._sleep_state[1] if t not in tags]
-            self._sleep_state = (self._sleep_state[0], left) if left else None
+        async with self._state_lock:
+            await self._fan_out(lambda e: e.wake_up(tags), "wake_up")
+            if self._sleep_state is not None:
+                left = [t for t in self._sleep_state[1] if t not in tags]
+                self._sleep_state = (self._sleep_state[0], left) if left else None
 
     async def _reset_prefix_cache(self) -> None:
         await self._fan_out(lambda e: e.reset_prefix_cache(), "reset_prefix_cache")
 
     async def _pause(self, mode: PauseMode) -> None:
-        await self._fan_out(lambda e: e.pause(mode), "pause")
+        async with self._state_lock:
+            await self._fan_out(lambda e: e.pause(mode), "pause")
 
     async def _resume(self) -> None:
-        await self._fan_out(lambda e: e.resume(), "resume")
+        async with self._state_lock:
+            await self._fan_out(lambda e: e.resume(), "resume")
 
     # ---- weight sync ---------------------------------------------------------------------------
     def weight_receivers(self) -> int:

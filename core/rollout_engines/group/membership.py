@@ -19,6 +19,7 @@ from ..errors import (
     EngineUnavailable,
     WeightSyncError,
 )
+from ..types import EngineInfo
 
 if TYPE_CHECKING:
     import torch
@@ -107,6 +108,8 @@ class _Membership(Engine):
     _evicted: set[asyncio.Task[Any]]
     _health_task: asyncio.Task[None] | None
     _weights_lock: asyncio.Lock | None
+    # held while the group's pause/sleep state changes and while a member is brought in line with it
+    _state_lock: asyncio.Lock
     _last_transport: str | None
     _sleep_state: tuple[int, list[str]] | None
     _produced: OrderedDict[str, int]
@@ -287,6 +290,13 @@ class _Membership(Engine):
             self._mark_down(m, exc)
             return
         if m.serving and info.weight_version == self.weight_version:
+            if self._state_differs(info):  # e.g. restarted (by Ray) at the same version, unpaused and awake
+                try:
+                    await self._apply_group_state(m)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as exc:
+                    logger.debug("engine group: member %d: keeping the group's state failed: %r", m.index, exc)
             return
         m.loras = dict(info.loras)  # what it holds now (a restarted member has lost its adapters)
         if m.serving:  # restarted between two checks (e.g. by Ray) with its initial weights
@@ -361,13 +371,31 @@ class _Membership(Engine):
         finally:
             await sync.close()
 
+    def _state_differs(self, info: EngineInfo) -> bool:
+        """Whether a member (its ``info``) is paused or asleep otherwise than the group."""
+        asleep = set(self._sleep_state[1]) if self._sleep_state is not None else set()
+        return info.paused != self._paused or set(info.asleep) != asleep
+
     async def _apply_group_state(self, m: _Member) -> None:
-        """A returning member joins the group's state: asleep and paused like the others."""
-        if self._sleep_state is not None:
-            level, tags = self._sleep_state
-            await m.engine.sleep(level, tags)
-        if self._paused:
-            await m.engine.pause(self._pause_mode or "wait")
+        """Bring a member in line with the group's state, both ways: asleep and paused like the
+        others, and woken and resumed if it missed the group's wake-up or resume while it was down.
+        Under the state lock, so no fan-out of the group changes that state meanwhile; both waits
+        are bounded by ``health_timeout_s`` (a rejoin that times out is tried again at the next
+        check)."""
+        await asyncio.wait_for(self._state_lock.acquire(), self.health_timeout_s)
+        try:
+            info = await asyncio.wait_for(m.engine.info(), self.health_timeout_s)
+            level, tags = self._sleep_state if self._sleep_state is not None else (1, [])
+            if awake := [t for t in info.asleep if t not in tags]:
+                await m.engine.wake_up(awake)
+            if to_sleep := [t for t in tags if t not in info.asleep]:
+                await m.engine.sleep(level, to_sleep)
+            if self._paused and not info.paused:
+                await m.engine.pause(self._pause_mode or "wait")
+            elif info.paused and not self._paused:
+                await m.engine.resume()
+        finally:
+            self._state_lock.release()
 
 
 def _load_source_dir(root: Path, version: int) -> Any:

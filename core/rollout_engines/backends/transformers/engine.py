@@ -10,7 +10,9 @@ It runs on the CPU or one GPU, in the caller's process:
   while a long one runs is prefilled and stepped with it, and finishes first if it is shorter.
   Requests queued together are prefilled together. A control job (sleep, wake-up, a weight apply,
   an in-place receive) waits until the rows running before it have finished and admits nothing
-  queued behind it meanwhile, so outside ``keep`` pauses no completion spans two weight versions.
+  queued behind it meanwhile, so outside ``keep`` pauses no ``generate`` completion spans two weight
+  versions. A streamed row parked for a slow consumer (see *Async RL*) is not waited for: it may
+  continue under the new weights, and its deltas' ``weight_version`` show where it switched.
 - **Generation** is a left-padded batch with a ``DynamicCache`` and our own sampler
   (:mod:`.sampling`, :mod:`.generation`), so every :class:`SamplingParams` field is honoured.
   Logprobs (``logprobs``, ``top_logprobs``, ``prompt_logprobs``) are raw: ``log_softmax`` of the
@@ -1089,11 +1091,15 @@ class TransformersEngine(Engine):
             self._jobs.append(None)
             self._cv.notify()
         for job in pending:
+            closed = EngineClosed("engine 'transformers' was closed before this request ran")
             if isinstance(job, _GenerateJob):
-                with self._cv:
-                    self._forget_ids(job)
-            if job.future.set_running_or_notify_cancel():
-                job.future.set_exception(EngineClosed("engine 'transformers' was closed before this request ran"))
+                if job.future.set_running_or_notify_cancel():
+                    self._resolve(job, error=closed)  # wakes its stream's consumer too
+                else:
+                    with self._cv:
+                        self._forget_ids(job)
+            elif job.future.set_running_or_notify_cancel():
+                job.future.set_exception(closed)
         await asyncio.to_thread(self._worker.join)
         await self._close_weight_transfer()
         self._offloaded.clear()
