@@ -9,12 +9,11 @@ import time
 
 import pytest
 import torch
+from module_engine import ModuleEngine, make_model
 from rollout_engines import EngineConfig, create_engine
 from rollout_engines.errors import EngineAsleep, ManifestMismatch, WeightSyncError
 from rollout_engines.weights.manifest import specs_of
 from rollout_engines.weights.session import connect_weight_sync
-
-from module_engine import ModuleEngine, make_model
 from wsync_helpers import tiny_state
 
 
@@ -125,3 +124,13 @@ async def test_a_lazy_push_whose_iterator_strays_from_its_specs_fails_and_change
     assert _holds(engine, v1)
     await sync.close()
     await engine.close()
+
+
+async def test_a_failed_connect_leaves_no_engine_joined():
+    # One engine cannot join (closed); the one that did must not keep a receiver for a dead session.
+    joined, closed = _engine(), _engine()
+    await closed.close()
+    with pytest.raises(WeightSyncError):
+        await connect_weight_sync([joined, closed], "shm", timeout_s=10)
+    assert joined.receiver.transport is None
+    await joined.close()

@@ -113,6 +113,10 @@ async def connect_weight_sync(
     joins = [asyncio.ensure_future(e.init_weight_transfer(s)) for e, s in zip(engines, specs, strict=True)]
     errors = await _gather_cancelling(sender, connect, joins)
     if errors:
+        # The engines that did join leave the session again: none keeps a receiver (its store
+        # connection, heartbeat thread, shared memory) for a session that never started.
+        joined = [e for e, j in zip(engines, joins, strict=True) if not j.cancelled() and j.exception() is None]
+        await asyncio.gather(*(e.close_weight_transfer() for e in joined), return_exceptions=True)
         await asyncio.to_thread(sender.close)
         # An engine's refusal says why; the sender's wait it cancelled does not.
         first = next((e for e in errors if isinstance(e, _REFUSALS)), errors[0])
