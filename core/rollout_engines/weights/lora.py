@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import ManifestMismatch
 from ..types import LoraSpec
@@ -173,21 +174,37 @@ def split_adapter(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.
     return {m: (h["A"], h["B"]) for m, h in halves.items()}
 
 
+class _PeftLoraConfig(BaseModel):
+    """The values of PEFT's ``adapter_config.json`` a LoRA push is built from (the other keys
+    are only checked for features a push cannot carry)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    r: int
+    lora_alpha: float | None = None
+    use_rslora: bool | None = None
+
+
 def load_peft_adapter(path: str | Path, name: str) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
     """A LoRA adapter saved by PEFT (``save_pretrained``: ``adapter_config.json`` and
     ``adapter_model.safetensors``), as ``push_lora`` takes it: ``(LoraSpec named name, tensors)``.
 
     Plain LoRA only: DoRA, per-module ranks or alphas (``rank_pattern``/``alpha_pattern``),
     ``modules_to_save``, ``fan_in_fan_out`` layers and ``target_modules`` given as a regular
-    expression are refused (``ValueError``). rsLoRA's ``alpha / sqrt(r)`` scaling is kept by
-    rescaling ``alpha``. Tensors are read with safetensors (no pickle)."""
+    expression are refused (``ValueError``), and so is a folder that is not a readable adapter
+    (no ``r``, values of the wrong type, a corrupt safetensors file). rsLoRA's ``alpha / sqrt(r)``
+    scaling is kept by rescaling ``alpha``. Tensors are read with safetensors (no pickle)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(path)
     try:
-        config: dict[str, Any] = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        config: Any = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{folder} is not a PEFT adapter folder (adapter_config.json: {exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{folder / ADAPTER_CONFIG} must hold a JSON object (PEFT's LoraConfig), not "
+                         f"{type(config).__name__}")
     unsupported = [key for key in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "fan_in_fan_out")
                    if config.get(key)]
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
@@ -198,15 +215,24 @@ def load_peft_adapter(path: str | Path, name: str) -> tuple[LoraSpec, dict[str, 
         targets = []
     if unsupported:
         raise ValueError(f"the PEFT adapter in {folder} uses what LoRA pushes do not carry: {', '.join(unsupported)}")
-    rank = int(config["r"])
-    alpha = float(config.get("lora_alpha", rank))
-    if config.get("use_rslora"):
-        alpha *= math.sqrt(rank)  # PEFT scales by alpha / sqrt(r); LoraSpec.scaling is alpha / r
-    spec = LoraSpec(name=name, rank=rank, alpha=alpha, target_modules=sorted(str(t) for t in targets))
+    try:
+        lora = _PeftLoraConfig.model_validate(config)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"{folder / ADAPTER_CONFIG} is not a usable LoRA config ({problems}); it needs the rank "
+                         "'r' (an integer), and 'lora_alpha' a number if given, as PEFT's save_pretrained "
+                         "writes them") from None
+    alpha = float(lora.r if lora.lora_alpha is None else lora.lora_alpha)
+    if lora.use_rslora:
+        alpha *= math.sqrt(lora.r)  # PEFT scales by alpha / sqrt(r); LoraSpec.scaling is alpha / r
+    spec = LoraSpec(name=name, rank=lora.r, alpha=alpha, target_modules=sorted(str(t) for t in targets))
     file = folder / ADAPTER_WEIGHTS
     if not file.is_file():
         raise ValueError(f"{folder} has no adapter_model.safetensors (save with safe_serialization=True)")
-    return spec, load_file(str(file))
+    try:
+        return spec, load_file(str(file))
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{file} is not a readable safetensors file ({exc}); save the adapter again") from None
 
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -135,6 +135,15 @@ def scripted(tiny_model: Path) -> Iterator[ThreadServer]:
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def scripted_vllm(tiny_model: Path) -> Iterator[ThreadServer]:
+    """The scripted engine behind vLLM's RL routes (protocol ``vllm-rl``)."""
+    engine = ScriptedEngine(EngineConfig(backend="scripted", model=str(tiny_model)))
+    server = start_thread_server(engine, protocols=("vllm-rl",))
+    yield server
+    server.stop()
+
+
 # ---- helpers -------------------------------------------------------------------------------------
 def sse_events(response: httpx.Response) -> list[Any]:
     """The ``data:`` payloads of a complete event stream (``"[DONE]"`` as the string)."""
@@ -276,6 +285,63 @@ def test_abort_body_and_capability(thread_server, scripted):
     if not caps(thread_server).get("abort"):
         r = httpx.post(thread_server.url + "/abort", json={"all": True}, headers=thread_server.headers, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["type"] == "CapabilityError"
+
+
+# ---- vLLM's RL routes: /inference/v1/generate and its aborts --------------------------------------
+def vllm_generate(server: ThreadServer, request_id: str, max_tokens: int,
+                  n: int = 1) -> tuple[threading.Thread, dict[str, Any]]:
+    """``POST /inference/v1/generate`` from a thread; its answer fills the dict returned beside it."""
+    body = {"request_id": request_id, "token_ids": [5, 6], "sampling_params": {"max_tokens": max_tokens, "n": n}}
+    answer: dict[str, Any] = {}
+
+    def run() -> None:
+        answer.update(httpx.post(server.url + "/inference/v1/generate", json=body, headers=server.headers,
+                                 timeout=120).json())
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, answer
+
+
+def finish_reasons(call: tuple[threading.Thread, dict[str, Any]]) -> list[str]:
+    call[0].join(120)
+    return [c["finish_reason"] for c in call[1]["choices"]]
+
+
+def test_vllm_rl_an_empty_id_list_aborts_nothing(scripted_vllm):
+    engine = scripted_vllm.engine
+    call = vllm_generate(scripted_vllm, "bystander", max_tokens=500)
+    wait_until(lambda: "bystander" in engine.running, 30, "the request to start", every_s=0.01)
+    with httpx.Client(base_url=scripted_vllm.url, headers=scripted_vllm.headers, timeout=30) as c:
+        assert c.post("/inference/v1/abort_requests", json={"request_ids": []}).status_code == 200
+        assert c.post("/abort_requests", json={"request_ids": []}).json() == {"status": "aborted", "aborted": 0}
+        assert "bystander" in engine.running and "bystander" not in engine.aborted
+        # No request_ids at all (on /abort_requests only): every request.
+        assert c.post("/abort_requests", json={}).json() == {"status": "aborted", "aborted": 1}
+    assert finish_reasons(call) == ["abort"]
+
+
+def test_vllm_rl_a_refused_stream_leaves_nothing_running(scripted_vllm):
+    r = httpx.post(scripted_vllm.url + "/inference/v1/generate", headers=scripted_vllm.headers, timeout=30, json={
+        "request_id": "refused", "token_ids": [5, 6], "stream": True, "sampling_params": {"top_k": 5000}})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "sampling.top_k", r.text
+    r = httpx.post(scripted_vllm.url + "/abort_requests", headers=scripted_vllm.headers, timeout=30, json={})
+    assert r.json()["aborted"] == 0, "the refused request is still counted as running"
+
+
+def test_vllm_rl_a_reused_request_id_is_aborted_in_its_latest_request(scripted_vllm):
+    engine = scripted_vllm.engine
+    first = vllm_generate(scripted_vllm, "twin", max_tokens=100, n=2)
+    wait_in_flight(scripted_vllm)
+    second = vllm_generate(scripted_vllm, "twin", max_tokens=500, n=2)
+    wait_until(lambda: outstanding(scripted_vllm) == 2, 30, "the second request to reach the engine", every_s=0.01)
+    # The first one ends while the second runs: the id must still name the second's samples.
+    assert finish_reasons(first) == ["length", "length"]
+    r = httpx.post(scripted_vllm.url + "/abort_requests", headers=scripted_vllm.headers, timeout=30,
+                   json={"request_ids": ["twin"]})
+    assert r.json()["aborted"] == 1
+    assert {"twin-0", "twin-1"} <= engine.aborted
+    assert finish_reasons(second) == ["abort", "abort"]
 
 
 # ---- /pause with a mode --------------------------------------------------------------------------

@@ -194,3 +194,33 @@ def test_skyrl_loads_or_replaces(tiny_model: Path, adapters: dict[str, Path], lo
             assert c.post("/v1/unload_lora_adapter", json={"lora_name": "sky"}).status_code == 200
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(("broken", "says"), [
+    ({"r": None}, "r: Field required"),
+    ({"r": "four"}, "r: Input should be a valid integer"),
+    ({"lora_alpha": [16]}, "lora_alpha: Input should be a valid number"),
+    ({"use_rslora": "sometimes"}, "use_rslora: Input should be a valid boolean"),
+    ([], "must hold a JSON object"),
+    (b"not a safetensors file", "not a readable safetensors file"),
+])
+def test_a_malformed_adapter_folder_is_a_400_saying_what_is_wrong(lora_server: ThreadServer, tiny_model: Path,
+                                                                  broken: Any, says: str) -> None:
+    """``broken``: keys to change in adapter_config.json (None: remove), a whole config, or the weights' bytes."""
+    root = Path(str(lora_server.app.app.state.roe.weights_root))
+    spec, tensors = make_lora(load_checkpoint(str(tiny_model), torch.float32), "x", rank=4)
+    folder = save_peft_adapter(root / "malformed", spec, tensors)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    if isinstance(broken, bytes):
+        (folder / "adapter_model.safetensors").write_bytes(broken)
+    elif isinstance(broken, dict):
+        config.update(broken)
+        config = {k: v for k, v in config.items() if v is not None}
+    else:
+        config = broken
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with httpx.Client(base_url=lora_server.url, headers=lora_server.headers, timeout=60) as c:
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "malformed"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError", r.text
+        assert says in r.json()["error"]["message"]
+        assert c.get("/info").json()["loras"] == {}

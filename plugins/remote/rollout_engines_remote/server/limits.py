@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,15 @@ class Limits:
             earlier = [t for c in req.continue_from or [] for t in (*c.prompt_token_ids, *c.token_ids)]
             for name, values in (("prompt_token_ids", ids), ("sampling.stop_token_ids", s.stop_token_ids),
                                  ("continue_from", earlier)):
-                bad = [t for t in values if not 0 <= t < self.vocab_size]
-                if bad:
-                    raise FieldError(name, f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+                self.check_token_ids(name, values)
+
+    def check_token_ids(self, name: str, values: Iterable[int], vocab_size: int | None = None) -> None:
+        """Raise :class:`FieldError` naming ``name`` where a token id lies outside the vocabulary
+        (``vocab_size``, else the model's; unknown: nothing is checked)."""
+        size = vocab_size or self.vocab_size
+        if not size:
+            return
+        bad = next((t for t in values if not 0 <= t < size), None)
+        if bad is not None:
+            raise FieldError(name, f"token id {bad} is outside the vocabulary (size {size}); token ids are 0 to "
+                             f"{size - 1}")

@@ -93,6 +93,8 @@ def router(state: ServerState) -> APIRouter:
     @r.post("/detokenize")
     async def detokenize(body: DetokenizeBody) -> JSONResponse:
         tok = tokenizer()
+        limits = state.get_limits()
+        limits.check_token_ids("tokens", body.tokens, limits.vocab_size or len(tok))
         return JSONResponse({"prompt": await asyncio.to_thread(tok.decode, body.tokens)})
 
     @r.post("/finish_session")

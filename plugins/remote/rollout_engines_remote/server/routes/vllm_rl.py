@@ -64,7 +64,7 @@ from typing import Annotated, Any, Literal
 import torch
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from rollout_engines.errors import CapabilityError
 from rollout_engines.types import Completion, GenerateRequest, SamplingParams, StreamDelta, TokenLogprob
 from rollout_engines.weights.manifest import (
@@ -73,6 +73,7 @@ from rollout_engines.weights.manifest import (
     TensorSpec,
     TransportSpec,
     WeightManifest,
+    check_timeout,
     plan_manifest,
 )
 
@@ -175,8 +176,37 @@ def _prompt_logprobs(c: Completion) -> list[dict[str, dict[str, Any]] | None] | 
     return out
 
 
+class InitInfo(BaseModel):
+    """``init_info``: the backend (vLLM's name, or ``transport``, ours), ``timeout_s``, and for a
+    transport the rest of a :class:`~rollout_engines.weights.manifest.TransportSpec` (``session_id``,
+    ``rank_offset``, ``world_size``, ``options``: checked by it)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    backend: str | None = None
+    transport: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _bounded(cls, value: float) -> float:
+        return check_timeout(value)
+
+    @model_validator(mode="after")
+    def _one_backend(self) -> InitInfo:
+        if self.backend and self.transport and BACKENDS.get(self.backend, self.backend) != self.transport:
+            raise ValueError(f"backend '{self.backend}' and transport '{self.transport}' name different transports; "
+                             "give one of them")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The backend asked for (vLLM's name where given), ``http`` by default."""
+        return self.backend or self.transport or "http"
+
+
 class InitBody(BaseModel):
-    init_info: dict[str, Any] = Field(default_factory=dict)
+    init_info: InitInfo = Field(default_factory=InitInfo)
 
 
 class StartBody(BaseModel):
@@ -186,8 +216,46 @@ class StartBody(BaseModel):
     partial: bool = Field(default=False, description="rollout-engines extra: the update carries only some tensors.")
 
 
+class UpdateInfo(BaseModel):
+    """One ``update_info``: vLLM's per-tensor fields (one entry per tensor each), with ``data_b64``
+    (backend ``http``) or ``manifest`` (a transport)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
+    data_b64: list[str] | None = None
+    manifest: WeightManifest | None = None
+
+    @field_validator("dtype_names")
+    @classmethod
+    def _known_dtypes(cls, dtypes: list[str]) -> list[str]:
+        for d in dtypes:
+            if d not in DTYPE_SIZES:
+                raise ValueError(f"unsupported dtype {d!r}; use one of {sorted(DTYPE_SIZES)}")
+        return dtypes
+
+    @model_validator(mode="after")
+    def _one_entry_per_tensor(self) -> UpdateInfo:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(f"names ({len(self.names)}), dtype_names ({len(self.dtype_names)}) and shapes "
+                             f"({len(self.shapes)}) must have one entry per tensor")
+        return self
+
+    def specs(self) -> list[TensorSpec]:
+        return [TensorSpec(name=n, dtype=d, shape=tuple(s))
+                for n, d, s in zip(self.names, self.dtype_names, self.shapes, strict=True)]
+
+
 class UpdateBody(BaseModel):
-    update_info: dict[str, Any] | list[dict[str, Any]]
+    #: One ``update_info`` object or a list of them.
+    update_info: list[UpdateInfo]
+
+    @field_validator("update_info", mode="before")
+    @classmethod
+    def _listed(cls, value: Any) -> Any:
+        return [value] if isinstance(value, dict) else value
 
 
 class FinishBody(BaseModel):
@@ -205,19 +273,6 @@ class _Transfer:
     specs: list[TensorSpec] = field(default_factory=list)
     data: dict[str, bytes] = field(default_factory=dict)
     applied: int | None = None  # transports: the version the last update_weights applied
-
-
-def _check_info(info: dict[str, Any]) -> list[TensorSpec]:
-    names, dtypes, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
-    if not isinstance(names, list) or not isinstance(dtypes, list) or not isinstance(shapes, list):
-        raise FieldError("update_info.names", "update_info needs the lists names, dtype_names and shapes")
-    if not len(names) == len(dtypes) == len(shapes):
-        raise FieldError("update_info.names", f"names ({len(names)}), dtype_names ({len(dtypes)}) and shapes "
-                         f"({len(shapes)}) must have one entry per tensor")
-    for d in dtypes:
-        if d not in DTYPE_SIZES:
-            raise FieldError("update_info.dtype_names", f"unsupported dtype {d!r}; use one of {sorted(DTYPE_SIZES)}")
-    return [TensorSpec(name=n, dtype=d, shape=tuple(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
 
 
 #: One router per server state: the ``skyrl`` protocol reuses the handlers (and the weight transfer
@@ -254,19 +309,29 @@ def _make_router(state: ServerState) -> APIRouter:
         return GenerateRequest(prompt_token_ids=[list(body.token_ids)], sampling=sampling, request_ids=ids,
                                session_id=session)
 
+    def register(request_id: str, req: GenerateRequest) -> list[str]:
+        """Map ``request_id`` to its samples' sequence ids while it runs; returns the entry to release."""
+        entry = running[request_id] = list(req.request_ids or [])
+        return entry
+
+    def release(request_id: str, entry: list[str]) -> None:
+        # Only this request's own entry: a later request reusing the id keeps its mapping.
+        if running.get(request_id) is entry:
+            del running[request_id]
+
     @r.post("/inference/v1/generate")
     async def inference_generate(body: VllmGenerateBody, request: Request) -> Any:
         """vLLM's token-in/token-out generation: ``token_ids`` and ``sampling_params`` in, each sample's
         ``token_ids`` (and ``logprobs.content``, ``weight_versions``) out; ``stream: true`` sends
         vLLM's token chunks as server-sent events."""
         req = core_request(body, request)
-        running[body.request_id] = list(req.request_ids or [])
         if body.stream:
             return await stream_generate(body, req, request)
+        entry = register(body.request_id, req)
         try:
             outs = await state.generate(req, request)
         finally:
-            running.pop(body.request_id, None)
+            release(body.request_id, entry)
         first = outs[0] if outs else None
         answer: dict[str, Any] = {
             "request_id": body.request_id, "model": body.model or state.model_name, "created": int(time.time()),
@@ -285,11 +350,12 @@ def _make_router(state: ServerState) -> APIRouter:
 
     async def stream_generate(body: VllmGenerateBody, req: GenerateRequest, request: Request) -> Response:
         state.get_limits().check(req)
+        entry = register(body.request_id, req)
         source = engine.stream(req)
         try:
             first = await first_item(request, source)
         except BaseException:
-            running.pop(body.request_id, None)
+            release(body.request_id, entry)
             raise
 
         async def chunks() -> AsyncGenerator[bytes, None]:
@@ -312,16 +378,19 @@ def _make_router(state: ServerState) -> APIRouter:
                     yield event(json.dumps(chunk))
                     delta = await anext(source, None)
             finally:
-                running.pop(body.request_id, None)
+                release(body.request_id, entry)
                 await source.aclose()
 
         return EventStreamResponse(events_of(chunks()))
 
     async def abort_ids(request_ids: list[str] | None) -> int:
-        if not request_ids:
+        """Abort the named requests (``None``: all of them; an empty list: none)."""
+        if request_ids is None:
             count = len(running)
             await engine.abort_all()
             return count
+        if not request_ids:
+            return 0
         ours = [sid for rid in request_ids for sid in running.get(rid, [rid])]
         await engine.abort(ours)
         return len(request_ids)
@@ -353,7 +422,7 @@ def _make_router(state: ServerState) -> APIRouter:
         ids = (await json_object(request)).get("request_ids")
         if ids is not None and not isinstance(ids, list):
             raise FieldError("request_ids", "must be a list of request ids")
-        count = await abort_ids([str(i) for i in ids] if ids else None)
+        count = await abort_ids(None if ids is None else [str(i) for i in ids])
         return JSONResponse({"status": "aborted", "aborted": count})
 
     # ---- control -------------------------------------------------------------------------------
@@ -430,14 +499,14 @@ def _make_router(state: ServerState) -> APIRouter:
     async def init_weight_transfer_engine(body: InitBody) -> JSONResponse:
         """Set up the weight transfer: ``init_info["backend"]`` ``http`` (default) or one of the
         engine's transports (``nccl``, ``ipc`` = ``cuda_ipc``, ``gloo``, ...) with a TransportSpec."""
-        info = dict(body.init_info)
-        name = str(info.pop("backend", None) or info.pop("transport", None) or "http")
+        info = body.init_info
+        name = info.name
         transports = list(engine.capabilities.transports)
         if name in FOREIGN_BACKENDS:
             raise CapabilityError(f"weight-transfer backend '{name}' is vLLM's own protocol and is not served here; "
                                   f"use 'http' or one of this engine's transports: {', '.join(transports)}")
         backend = "http" if name == "http" else BACKENDS.get(name, name)
-        if backend != "http" and "session_id" not in info:
+        if backend != "http" and "session_id" not in (info.model_extra or {}):
             raise CapabilityError(
                 f"init_info for backend '{name}' must be a rollout-engines TransportSpec (session_id, rank_offset, "
                 "world_size, timeout_s, options) from our trainer-side sender: vLLM's own trainer engines "
@@ -448,12 +517,12 @@ def _make_router(state: ServerState) -> APIRouter:
         async with update_lock:
             if backend == "http":
                 spec = TransportSpec(transport="http", session_id=f"vllm-rl-{uuid.uuid4().hex}",
-                                     timeout_s=float(info.get("timeout_s", DEFAULT_TIMEOUT_S)))
+                                     timeout_s=info.timeout_s)
             else:
                 if backend not in transports:
                     raise CapabilityError(f"this server's engine cannot receive weights over '{backend}'; it "
                                           f"supports: http, {', '.join(transports)}")
-                spec = TransportSpec(transport=backend, **info)
+                spec = TransportSpec(transport=backend, timeout_s=info.timeout_s, **(info.model_extra or {}))
                 if backend == "disk":
                     spec = confine_disk_spec(spec, state.weights_root)
             state.init_started = time.monotonic()
@@ -498,45 +567,57 @@ def _make_router(state: ServerState) -> APIRouter:
         t = current()
         if not t.started:
             raise Conflict("NoWeightUpdate", "call /start_weight_update before /update_weights")
-        infos = body.update_info if isinstance(body.update_info, list) else [body.update_info]
-        for info in infos:
-            specs = _check_info(info)
-            if "ipc_handles" in info or "ipc_handles_pickled" in info:
+        for info in body.update_info:
+            if {"ipc_handles", "ipc_handles_pickled"} & set(info.model_extra or {}):
                 raise CapabilityError("vLLM's CUDA IPC handles are not accepted (they would have to be unpickled); "
                                       "use backend 'ipc' with a rollout-engines manifest, or 'http'")
-            if t.backend == "http":
-                add_chunk(t, specs, info)
-            else:
-                await receive_chunk(t, specs, info)
+        # Every chunk of the request is checked before any is kept or received: a refused request
+        # changes nothing, and the client can send it again corrected.
+        if t.backend == "http":
+            tensors = decoded(t, body.update_info)
+            t.specs.extend(spec for spec, _ in tensors)
+            t.data.update((spec.name, raw) for spec, raw in tensors)
+        else:
+            for manifest in [sender_manifest(t, info) for info in body.update_info]:
+                await receive_chunk(t, manifest)
         return JSONResponse({"message": "Weights updated"})
 
-    def add_chunk(t: _Transfer, specs: list[TensorSpec], info: dict[str, Any]) -> None:
-        data = info.get("data_b64")
-        if not isinstance(data, list) or len(data) != len(specs):
-            raise FieldError("update_info.data_b64", "backend 'http' needs data_b64: one base64 string of raw "
-                             "tensor bytes per name (vLLM's own backends move the bytes out of band; here they "
-                             "come with the request)")
-        for spec, text in zip(specs, data, strict=True):
-            if spec.name in t.data:
-                raise FieldError("update_info.names", f"tensor '{spec.name}' was sent twice in this update")
-            try:
-                raw = base64.b64decode(text, validate=True)
-            except (binascii.Error, TypeError, ValueError):
-                raise FieldError("update_info.data_b64", f"'{spec.name}': not base64") from None
-            if len(raw) != spec.nbytes:
-                raise FieldError("update_info.data_b64", f"'{spec.name}': {len(raw)} bytes, expected {spec.nbytes} "
-                                 f"for {spec.dtype}{list(spec.shape)}")
-            t.specs.append(spec)
-            t.data[spec.name] = raw
+    def decoded(t: _Transfer, infos: list[UpdateInfo]) -> list[tuple[TensorSpec, bytes]]:
+        """Every tensor of ``infos`` with its bytes, checked against each other and the update so far."""
+        out: list[tuple[TensorSpec, bytes]] = []
+        seen = set(t.data)
+        for info in infos:
+            specs = info.specs()
+            if info.data_b64 is None or len(info.data_b64) != len(specs):
+                raise FieldError("update_info.data_b64", "backend 'http' needs data_b64: one base64 string of raw "
+                                 "tensor bytes per name (vLLM's own backends move the bytes out of band; here they "
+                                 "come with the request)")
+            for spec, text in zip(specs, info.data_b64, strict=True):
+                if spec.name in seen:
+                    raise FieldError("update_info.names", f"tensor '{spec.name}' was sent twice in this update")
+                seen.add(spec.name)
+                try:
+                    raw = base64.b64decode(text, validate=True)
+                except (binascii.Error, ValueError):
+                    raise FieldError("update_info.data_b64", f"'{spec.name}': not base64") from None
+                if len(raw) != spec.nbytes:
+                    raise FieldError("update_info.data_b64", f"'{spec.name}': {len(raw)} bytes, expected "
+                                     f"{spec.nbytes} for {spec.dtype}{list(spec.shape)}")
+                out.append((spec, raw))
+        return out
 
-    async def receive_chunk(t: _Transfer, specs: list[TensorSpec], info: dict[str, Any]) -> None:
-        if "manifest" not in info:
+    def sender_manifest(t: _Transfer, info: UpdateInfo) -> WeightManifest:
+        """The manifest of one transport chunk, checked against its names, dtypes and shapes."""
+        manifest = info.manifest
+        if manifest is None:
             raise FieldError("update_info.manifest", f"backend '{t.backend}' needs the sender's manifest "
                              "(rollout-engines WeightManifest) in update_info['manifest']")
-        manifest = WeightManifest.model_validate(info["manifest"])
         laid = [(p.name, p.dtype, tuple(p.shape)) for p in manifest.tensors]
-        if laid != [(s.name, s.dtype, tuple(s.shape)) for s in specs]:
+        if laid != [(s.name, s.dtype, tuple(s.shape)) for s in info.specs()]:
             raise FieldError("update_info.manifest", "names, dtype_names and shapes disagree with the manifest")
+        return manifest
+
+    async def receive_chunk(t: _Transfer, manifest: WeightManifest) -> None:
         version = max(manifest.version, engine.weight_version + 1)
         manifest = manifest.model_copy(update={"version": version, "transport": t.backend,
                                                "partial": manifest.partial or t.partial})
