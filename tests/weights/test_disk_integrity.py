@@ -12,13 +12,14 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from rollout_engines import GenerateRequest, SamplingParams, WeightSyncError, create_engine
+from rollout_engines import GenerateRequest, LoraSpec, SamplingParams, WeightSyncError, create_engine
 from rollout_engines.weights.buckets import BucketHeader, alloc_bucket, checksum, pack_bucket
 from rollout_engines.weights.checkpoint import load_checkpoint, perturbed
-from rollout_engines.weights.manifest import TransportSpec, WeightManifest, plan_manifest, specs_of
+from rollout_engines.weights.manifest import DeltaSpec, TransportSpec, WeightManifest, plan_manifest, specs_of
 from rollout_engines.weights.session import connect_weight_sync
 from rollout_engines.weights.transports import disk
 from rollout_engines.weights.transports.disk import DiskReceiver, DiskSender, load_latest, update_dir
@@ -42,8 +43,9 @@ def model(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def plan(tensors: dict[str, torch.Tensor], version: int) -> WeightManifest:
-    return plan_manifest(specs_of(list(tensors.items())), version=version, bucket_bytes=256, transport="disk")
+def plan(tensors: dict[str, torch.Tensor], version: int, **flags: Any) -> WeightManifest:
+    """``flags``: plan_manifest's ``partial``, ``delta``, ``lora``."""
+    return plan_manifest(specs_of(list(tensors.items())), version=version, bucket_bytes=256, transport="disk", **flags)
 
 
 def sender_at(root: Path, keep: int = 5) -> DiskSender:
@@ -55,9 +57,9 @@ def receiver_for(sender: DiskSender, timeout_s: float = TIMEOUT_S) -> DiskReceiv
     return DiskReceiver(spec, rank=1)
 
 
-def send(sender: DiskSender, tensors: dict[str, torch.Tensor], version: int) -> WeightManifest:
+def send(sender: DiskSender, tensors: dict[str, torch.Tensor], version: int, **flags: Any) -> WeightManifest:
     """One complete update, as WeightSync streams it."""
-    manifest = plan(tensors, version)
+    manifest = plan(tensors, version, **flags)
     sender.begin(manifest)
     for bucket in manifest.buckets:
         buf = pack_bucket(manifest, bucket.index, tensors, alloc_bucket(bucket.nbytes))
@@ -330,6 +332,43 @@ def test_load_latest_skips_broken_updates_and_returns_the_newest_complete_one(
         path.rename(path.with_name("real.json"))
         path.symlink_to(path.with_name("real.json"))
     assert load_latest(tmp_path) is None
+
+
+NOT_FULL: dict[str, dict[str, Any]] = {
+    "delta": {"delta": DeltaSpec(base_version=1)},
+    "partial": {"partial": True},
+    "lora": {"lora": LoraSpec(name="policy", rank=2, alpha=4.0, target_modules=["a"])},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NOT_FULL))
+def test_load_latest_returns_the_newest_full_update_not_a_newer_delta_partial_or_lora(tmp_path: Path, kind: str) -> None:
+    sender = sender_at(tmp_path)
+    full = model(1)
+    send(sender, full, version=1)
+    send(sender, {"a.weight": full["a.weight"] + 1}, version=2, **NOT_FULL[kind])
+    latest = load_latest(tmp_path)
+    assert latest is not None
+    manifest, tensors = latest
+    assert manifest.version == 1 and set(tensors) == set(full)
+    assert all(torch.equal(tensors[n], t) for n, t in full.items())
+
+
+@pytest.mark.parametrize("kind", sorted(NOT_FULL))
+def test_pruning_keeps_the_newest_full_update_behind_newer_deltas_partials_and_loras(tmp_path: Path, kind: str) -> None:
+    sender = sender_at(tmp_path, keep=2)
+    full = model(1)
+    first = send(sender, full, version=1)
+    pushes = [send(sender, {"a.weight": full["a.weight"] + v}, version=v, **NOT_FULL[kind]) for v in (2, 3, 4)]
+    left = {p.name for p in tmp_path.iterdir()}
+    # The base to restart from, and the newest ``keep`` updates; v2 goes.
+    assert left == {update_dir(tmp_path, m).name for m in (first, *pushes[-2:])}
+    latest = load_latest(tmp_path)
+    assert latest is not None and latest[0].version == 1
+    # Full updates count toward ``keep``: two newer ones push v1 out (with the run after it).
+    fulls = [send(sender, full, version=v) for v in (5, 6)]
+    assert {p.name for p in tmp_path.iterdir()} == {update_dir(tmp_path, m).name for m in fulls}
+    assert load_latest(tmp_path)[0].version == 6  # type: ignore[index]
 
 
 def test_files_are_synced_before_the_rename_and_the_manifest_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -106,6 +106,31 @@ async def test_a_ring_without_the_secret_runs_nothing(spec):
         assert [w["version"] for w in workers.got[1]] == [1]
 
 
+async def test_an_answer_without_the_secret_is_not_taken_for_the_workers(spec, caplog):
+    go, receiving = threading.Event(), threading.Event()
+
+    def answer(rank, w):
+        receiving.set()
+        go.wait(10)  # a receive that takes a while
+        return {"ok": True, "version": w["version"], "rank": rank}
+
+    with rigged(spec, answer, go) as (door, workers, bell):
+        assert bell.claim()
+        ring = asyncio.ensure_future(bell.ring(wire(1), timeout_s=10, check=lambda: None))
+        assert await asyncio.to_thread(receiving.wait, 10)
+        # Whoever can reach the store but lacks the session's secret "answers" for both workers.
+        forged = _store.session_store(_store.join_store(spec.options, 10), spec.session_id, "ab" * 32)
+        for rank in (1, 2):
+            forged.set(f"door/{door}/1/done/{rank}", '{"ok": true, "version": 1}')
+        await asyncio.sleep(0.5)
+        assert not ring.done() and bell.busy  # the workers still receive: the engine must not run requests
+        go.set()
+        answers = await asyncio.wait_for(ring, 10)
+        assert answers == [{"ok": True, "version": 1, "rank": 1}, {"ok": True, "version": 1, "rank": 2}]
+        assert not bell.busy and bell.broken is None
+        assert sum("not signed" in r.getMessage() for r in caplog.records) == 1  # logged once
+
+
 async def test_a_worker_error_comes_back_as_its_answer(spec):
     def answer(rank, w):
         if rank == 2:

@@ -131,7 +131,7 @@ def test_buckets_the_trainer_keeps_are_acknowledged_once_per_push(kept: bool) ->
 def test_failures_count_for_the_update_they_were_reported_for() -> None:
     """A receiver's failure report names its update: the sender stops for it during that update and
     ignores it in later ones (no round trip to clear old reports before each push). A report
-    without an update (broadcast transports) always counts."""
+    without an update (from a receiver of an earlier release) always counts."""
     from rollout_engines.errors import WeightSyncError
     from rollout_engines.weights.transports import _store
 

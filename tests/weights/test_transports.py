@@ -8,12 +8,14 @@ import asyncio
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
+from rollout_engines.weights.buckets import BucketHeader
 from rollout_engines.weights.manifest import TransportSpec, plan_manifest, specs_of
 from rollout_engines.weights.session import connect_weight_sync
 from wsync_helpers import BUCKET, PROMPTS, module_engine_process, outputs, state, trainer_main
@@ -233,6 +235,166 @@ async def test_shm_leaves_no_segments(engine):
     assert len(shm_segments() - segments_before) == 2  # two slots, reused in turn
     await sync.close()
     assert shm_segments() <= segments_before
+
+
+def test_gloo_a_late_failure_report_of_an_aborted_update_does_not_fail_the_next():
+    """The trainer aborts v1 while the receiver applies bucket 0 and starts v2 at once; the
+    receiver reports its failure of v1 only after v2 began. v2 lands all the same."""
+    from rollout_engines.weights.transports._store import CHECK_EVERY_S
+    from rollout_engines.weights.transports.broadcast import GlooReceiver, GlooSender
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    sender = GlooSender(session_id="late-report", world_size=2, timeout_s=30, options={})
+    spec = TransportSpec(transport="gloo", session_id="late-report", world_size=2, timeout_s=30,
+                         options=sender.spec_options())
+    receiver = GlooReceiver(spec, rank=1)
+    joining = threading.Thread(target=receiver.connect)
+    joining.start()
+    sender.connect()
+    joining.join(30)
+    v1, v2 = (plan_manifest(specs_of([("a", torch.zeros(256)), ("b", torch.zeros(256))]), version=v, bucket_bytes=1024,
+                            transport="gloo", timeout_s=30) for v in (1, 2))
+    assert len(v1.buckets) == 2
+    v1_started, got, errors = threading.Event(), [], []
+
+    def receive() -> None:
+        try:
+            receiver.begin(v1)
+            ok = False
+            try:
+                receiver.recv_bucket(0, v1.buckets[0].nbytes)
+                v1_started.set()
+                time.sleep(1.0)  # applying bucket 0 while the trainer aborts v1 and starts v2
+                receiver.release(0)
+                ok = receiver.recv_bucket(1, v1.buckets[1].nbytes)[0].status != BucketHeader.ABORT
+            finally:
+                deadline = time.monotonic() + 30
+                while not receiver._kv.check([f"update/{v2.session_id}"]) and time.monotonic() < deadline:
+                    time.sleep(0.01)  # the trainer began v2
+                receiver.end(v1, ok)  # the failure report of v1, after v2 began
+            receiver.begin(v2)
+            for b in v2.buckets:
+                got.append(receiver.recv_bucket(b.index, b.nbytes)[1].clone())
+                time.sleep(2 * CHECK_EVERY_S)  # the trainer checks on its receivers meanwhile
+                receiver.release(b.index)
+            receiver.end(v2, True)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    receiving = threading.Thread(target=receive)
+    receiving.start()
+    try:
+        sender.begin(v1)
+        sender.send_bucket(BucketHeader(index=0, nbytes=v1.buckets[0].nbytes), torch.zeros(v1.buckets[0].nbytes, dtype=torch.uint8))
+        assert v1_started.wait(30)
+        sender.abort("the trainer's iterator failed")
+        sender.begin(v2)
+        for b in v2.buckets:
+            sender.send_bucket(BucketHeader(index=b.index, nbytes=b.nbytes), torch.full((b.nbytes,), 7, dtype=torch.uint8))
+        sender.end(v2)
+    finally:
+        receiving.join(60)
+        sender.close()
+        receiver.close()
+    assert not errors, errors
+    assert [int(t.min()) for t in got] == [7] * len(v2.buckets) and [int(t.max()) for t in got] == [7] * len(v2.buckets)
+
+
+def _aborting_then_killed_trainer(conn, session_id: str) -> None:
+    """Aborts update 1 after publishing its bucket 0 (bucket 1 was packed into a second segment),
+    then packs update 2's bucket 0 into a fresh segment and waits to be killed."""
+    from rollout_engines.weights.manifest import WeightManifest
+    from rollout_engines.weights.transports.shm import ShmSender
+
+    sender = ShmSender(session_id=session_id, world_size=2, timeout_s=30, options={})
+    conn.send(sender.spec_options())
+    sender.connect()
+    v1 = WeightManifest(**conn.recv())
+    sender.begin(v1)
+    nbytes = [b.nbytes for b in v1.buckets]
+    sender.send_bucket(BucketHeader(index=0, nbytes=nbytes[0]), sender.bucket_buffer(0, nbytes[0]))
+    sender.bucket_buffer(1, nbytes[1])
+    conn.recv()  # the receiver has bucket 0
+    sender.abort("the trainer's iterator failed")
+    v2 = WeightManifest(**conn.recv())
+    sender.begin(v2)
+    sender.bucket_buffer(0, nbytes[0])
+    conn.send("packing")
+    time.sleep(600)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="counts segments in /dev/shm")
+@pytest.mark.parametrize("listed", [True, False], ids=["segments-listed", "segments-unlisted"])
+def test_shm_segments_of_a_trainer_killed_after_an_abort_are_removed(monkeypatch, listed):
+    from rollout_engines.weights.transports import shm
+
+    if not listed:  # where segments cannot be listed, the receiver counts the ones the trainer made
+        monkeypatch.setattr(shm, "_SHM_DIR", "/nonexistent", raising=False)
+    session_id = f"abortkill{os.getpid()}{int(listed)}"
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_aborting_then_killed_trainer, args=(child, session_id))
+    proc.start()
+    receiver = None
+    try:
+        spec = TransportSpec(transport="shm", session_id=session_id, world_size=2, timeout_s=30, options=conn.recv())
+        receiver = shm.ShmReceiver(spec, rank=1)
+        receiver.connect()
+        v1, v2 = (plan_manifest(specs_of([("a", torch.zeros(256)), ("b", torch.zeros(256))]), version=v,
+                                bucket_bytes=1024, transport="shm", timeout_s=30) for v in (1, 2))
+        conn.send(v1.model_dump())
+        receiver.begin(v1)
+        receiver.recv_bucket(0, v1.buckets[0].nbytes)
+        receiver.release(0)
+        conn.send("go on")
+        with pytest.raises(WeightSyncError, match="aborted"):
+            receiver.recv_bucket(1, v1.buckets[1].nbytes)
+        receiver.end(v1, False)
+        conn.send(v2.model_dump())
+        assert conn.recv() == "packing"
+        assert len(shm_segments() & {f"roe_{session_id}_{n}" for n in range(1, 9)}) == 1  # update 2's bucket 0
+        receiver.begin(v2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        with pytest.raises(WeightSyncError, match="trainer"):
+            receiver.recv_bucket(0, v2.buckets[0].nbytes)
+        receiver.end(v2, False)
+        assert not {n for n in shm_segments() if n.startswith(f"roe_{session_id}_")}
+    finally:
+        if receiver is not None:
+            receiver.close()
+        if proc.is_alive():
+            proc.kill()
+        for name in shm_segments():
+            if name.startswith(f"roe_{session_id}_"):
+                os.unlink(f"/dev/shm/{name}")
+
+
+def tcp_sockets(port: int) -> list[str]:
+    """States (``/proc/net/tcp`` hex codes: ``0A`` listening, ``01`` connected, ...) of every TCP
+    socket of this host with ``port`` at either end, read without opening a connection."""
+    states = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:] if Path(table).exists() else []:
+            local, remote, st = line.split()[1:4]
+            if port in (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)):
+                states.append(st)
+    return states
+
+
+LISTEN, TIME_WAIT = "0A", "06"
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the socket table from /proc/net/tcp")
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+async def test_a_closed_session_stops_hosting_its_store_and_engines_hang_up(engine, transport):
+    sync = await connect_weight_sync([engine], transport, bucket_bytes=BUCKET, timeout_s=30)
+    port = sync.sender.spec_options()["port"]
+    await sync.push(state(1), version=1)
+    assert LISTEN in tcp_sockets(port)
+    await sync.close()
+    # No listener, and no connection left open at either end (closed ones linger in TIME_WAIT).
+    assert set(tcp_sockets(port)) <= {TIME_WAIT}, tcp_sockets(port)
 
 
 async def test_disk_load_latest(tmp_path, engine):

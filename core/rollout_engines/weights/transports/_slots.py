@@ -42,13 +42,24 @@ from .base import TransportReceiver, TransportSender
 logger = logging.getLogger("rollout_engines.weights")
 
 
+def slot_name(session_id: str, number: int) -> str:
+    """The name of the sender's ``number``-th slot of a session (counted from 1, never reused)."""
+    return f"roe_{session_id}_{number}"
+
+
+def slot_number(name: str) -> int:
+    """The number in a slot's name (0 if it has none)."""
+    tail = name.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
 class SlotSender(TransportSender):
     """Trainer half: subclasses make and free slots (``_make_slot``/``_free_slot``)."""
 
     def __init__(self, *, session_id: str, world_size: int, timeout_s: float, options: dict[str, Any]):
         super().__init__(session_id=session_id, world_size=world_size, timeout_s=timeout_s, options=options)
-        self._store, self._spec = _store.host_store(self.options, timeout_s)
-        self._kv = _store.session_store(self._store, session_id, self._spec["secret"])
+        store, self._spec = _store.host_store(self.options, timeout_s)
+        self._kv = _store.session_store(store, session_id, self._spec["secret"])  # the only hold on the store
         self._watch = _store.PeerWatch(
             self._kv, range(1, world_size), self._spec["dead_after_s"], cancelled=self.raise_if_cancelled
         )
@@ -94,7 +105,7 @@ class SlotSender(TransportSender):
             if have is not None:
                 self._free_slot(have[0], have[1])
             self._made += 1
-            name = f"roe_{self.session_id}_{self._made}"
+            name = slot_name(self.session_id, self._made)
             handle, tensor = self._make_slot(name, max(nbytes, 1))
             have = self._slots[slot] = (name, handle, tensor)
         return have
@@ -213,6 +224,7 @@ class SlotSender(TransportSender):
             self._drop_log(token)
         self._stale_logs = []
         self._drop_slots()
+        self._kv.close()  # nothing listens for a closed session
 
 
 class SlotReceiver(TransportReceiver):
@@ -232,6 +244,9 @@ class SlotReceiver(TransportReceiver):
         self._infos: dict[int, dict[str, Any]] = {}  # published bucket descriptions not yet taken
         self._log_read = 0  # bytes of this update's log already parsed
         self._must_ack: dict[int, bool] = {}
+        #: The highest slot number any update's log named: the trainer made no slot above it except
+        #: the ones it packs into before publishing (a killed trainer's leftovers, see _after_detach).
+        self.highest_slot = 0
 
     # -- what a slot is (subclasses) --
     def _open_slot(self, name: str, info: dict[str, Any], index: int) -> tuple[Any, torch.Tensor]:
@@ -244,7 +259,8 @@ class SlotReceiver(TransportReceiver):
         """Called before a bucket is acknowledged (e.g. wait until the device finished reading)."""
 
     def _after_detach(self, trainer_gone: bool, names: list[str]) -> None:
-        """Called after every slot was closed (e.g. remove what a killed trainer left behind)."""
+        """Called after every slot was closed (``names``: those that were open; e.g. remove what a
+        killed trainer left behind)."""
 
     # -- protocol --
     def connect(self) -> None:
@@ -317,6 +333,8 @@ class SlotReceiver(TransportReceiver):
             info = json.loads(head)
             if raw:
                 info["raw"] = raw
+            if isinstance(info.get("slot"), str):
+                self.highest_slot = max(self.highest_slot, slot_number(info["slot"]))
             self._infos[int(info["index"])] = info
         return index in self._infos
 
@@ -368,3 +386,5 @@ class SlotReceiver(TransportReceiver):
         if self._beat is not None:
             self._beat.close()
             self._beat = None
+        if self._kv is not None:
+            self._kv.close()

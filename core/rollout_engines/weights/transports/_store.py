@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -137,6 +137,13 @@ def session_secret(options: dict[str, Any]) -> str:
 _ABSENT = "\0"
 
 
+class _ClosedStore:
+    """Stands in for a closed session's store: every operation says the session is closed."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise WeightSyncError("this weight-sync session's store is closed; connect a new session", peer="store")
+
+
 class SignedStore:
     """One session's view of the store: keys under ``roe/<session>/``, values signed and checked.
 
@@ -216,6 +223,12 @@ class SignedStore:
     def delete_key(self, key: str) -> bool:
         return bool(self.raw.delete_key(key))
 
+    def close(self) -> None:
+        """Let go of the store: a client's connection closes, and a hosted store stops listening
+        once nothing else holds it (a process group built on ``raw`` does). Every later operation
+        raises :class:`WeightSyncError`."""
+        self.raw = cast(dist.PrefixStore, _ClosedStore())
+
 
 def session_store(store: dist.Store, session_id: str, secret: str) -> SignedStore:
     return SignedStore(store, session_id, secret)
@@ -282,6 +295,7 @@ class Heartbeat:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * HEARTBEAT_S)
+        self._store.close()  # a beat still in flight ends in an error the stopped thread keeps
 
 
 class PeerWatch:

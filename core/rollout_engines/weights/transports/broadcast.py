@@ -100,8 +100,8 @@ class _BroadcastSender(TransportSender):
     def __init__(self, *, session_id: str, world_size: int, timeout_s: float, options: dict[str, Any]):
         super().__init__(session_id=session_id, world_size=world_size, timeout_s=timeout_s, options=options)
         self._device = self._pick_device()
-        self._store, self._spec = _store.host_store(self.options, timeout_s)
-        self._kv = _store.session_store(self._store, session_id, self._spec["secret"])
+        store, self._spec = _store.host_store(self.options, timeout_s)
+        self._kv = _store.session_store(store, session_id, self._spec["secret"])  # holds the store, as groups do
         self._watch = _store.PeerWatch(
             self._kv, range(1, world_size), self._spec["dead_after_s"], cancelled=self.raise_if_cancelled
         )
@@ -140,9 +140,12 @@ class _BroadcastSender(TransportSender):
             ) from exc
 
     def begin(self, manifest: WeightManifest) -> None:
-        self._token = manifest.session_id
-        # A rebuild needs a signed report (failed/<rank>), not just the unsigned failure counter.
-        if self._broken or (self._watch.failures() != self._watch.failures_seen and self._watch.failed_ranks()):
+        # A rebuild needs a signed report (failed/<rank>), not just the unsigned failure counter,
+        # and one of the update before (the watch still holds its token).
+        rebuild = self._broken or (self._watch.failures() != self._watch.failures_seen and self._watch.failed_ranks())
+        # From here only this update's reports count: a late one of the update before must not fail it.
+        self._token = self._watch.token = manifest.session_id
+        if rebuild:
             # A previous update failed on some side: start a fresh group everyone can trust.
             _drop_group(self._pg)
             self._pg = None
@@ -239,6 +242,7 @@ class _BroadcastSender(TransportSender):
         pg, self._pg = self._pg, None
         _drop_group(pg, failed=self._broken or bool(self._inflight))
         self._inflight.clear()
+        self._kv.close()  # the store stops listening once no group holds it either
 
 
 class _BroadcastReceiver(TransportReceiver):
@@ -352,7 +356,8 @@ class _BroadcastReceiver(TransportReceiver):
             return
         # Mid-stream failure: tell the sender now (it stops waiting for us) and leave the group;
         # the sender starts a new generation for the next update.
-        _store.report_failure(self._kv, self.rank, f"update v{manifest.version} failed at bucket {self._last + 1}")
+        _store.report_failure(self._kv, self.rank, f"update v{manifest.version} failed at bucket {self._last + 1}",
+                              token=self._token)
         _drop_group(self._pg)
         self._pg = None
         self._failed = True
@@ -363,6 +368,9 @@ class _BroadcastReceiver(TransportReceiver):
         if self._beat is not None:
             self._beat.close()
             self._beat = None
+        if self._kv is not None:
+            self._kv.close()
+        self._store = None  # the connection closes with the last hold on it
 
 
 class GlooSender(_BroadcastSender):

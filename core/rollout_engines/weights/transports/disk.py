@@ -14,8 +14,9 @@ exclusively), fsynced, moved into place with ``os.replace`` and the directory fs
 rename, so a reader never sees half a file and a crash never leaves a manifest pointing at
 unwritten buckets: ``manifest.json`` is written last, the same way. (``options['fsync']``, default
 True for a given ``path``, False for the temporary directory that is deleted at close anyway.) The trainer keeps the newest ``options['keep']``
-complete updates (default 2) and deletes older ones and aborted ones (only directories named like
-updates, never symlinks).
+complete updates (default 2) and, besides them, the newest ``keep`` full ones (what
+:func:`load_latest` restarts from, so a run of delta, partial or LoRA pushes never deletes its
+base); it deletes older ones and aborted ones (only directories named like updates, never symlinks).
 
 Reading (engine workers and :func:`load_latest`). Nothing is trusted because it is in the directory:
 
@@ -34,7 +35,7 @@ Reading (engine workers and :func:`load_latest`). Nothing is trusted because it 
   other content is never shown.
 
 Receivers wait (with the timeout) for each bucket file. :func:`load_latest` reads the newest
-complete, valid update back, for crash recovery, skipping broken ones with a logged warning.
+complete, valid full update back, for crash recovery, skipping broken ones with a logged warning.
 
 Padding between tensors is not stored, so the sender zeroes it and recomputes the bucket's
 checksum: the receiver rebuilds the same flat buffer from the named tensors and checks it.
@@ -355,17 +356,23 @@ class DiskSender(TransportSender):
         return out
 
     def _prune(self) -> None:
-        # Newest first by when the update completed; the update just written is always kept.
-        complete: list[tuple[int, Path]] = []
+        # Two windows, newest first by when the update completed: the newest ``keep`` full updates
+        # (what load_latest recovers from: a run of deltas never pushes its base out) and the newest
+        # ``keep`` updates of any kind. The update just written is in both; the rest are deleted.
+        complete: list[tuple[int, bool, Path]] = []
         aborted: list[Path] = []
         for d in self._updates():
             with contextlib.suppress(OSError):
                 if os.path.lexists(d / ABORT):
                     aborted.append(d)
                 elif os.path.lexists(d / MANIFEST):
-                    complete.append((os.lstat(d / MANIFEST).st_mtime_ns, d))
+                    complete.append((os.lstat(d / MANIFEST).st_mtime_ns, _holds_full_update(d), d))
         complete.sort(key=lambda c: c[0], reverse=True)
-        for old in [d for _, d in complete[self.keep - 1 :]] + aborted:
+        assert self._manifest is not None
+        newest = [d for _, _, d in complete]
+        fulls = [d for _, full, d in complete if full][: self.keep - (1 if is_full_update(self._manifest) else 0)]
+        kept = set(newest[: self.keep - 1]) | set(fulls)
+        for old in [d for d in newest if d not in kept] + aborted:
             shutil.rmtree(old, ignore_errors=True)
 
     def abort(self, reason: str) -> None:
@@ -634,11 +641,28 @@ def _load_update(handle: UpdateDir, manifest: WeightManifest) -> dict[str, torch
     return tensors
 
 
+def is_full_update(manifest: WeightManifest) -> bool:
+    """Whether ``manifest``'s update holds the whole model on its own (no delta on a base, no
+    partial push, no LoRA adapter): what :func:`load_latest` can restart from."""
+    delta = manifest.delta is not None and manifest.delta.base_version is not None
+    return not (delta or manifest.partial or manifest.lora is not None)
+
+
+def _holds_full_update(directory: Path) -> bool:
+    """Whether ``directory``'s manifest describes a full update (False if it cannot be read)."""
+    try:
+        with UpdateDir(directory) as handle:
+            return is_full_update(_read_manifest(handle)[0])
+    except (WeightSyncError, OSError):
+        return False
+
+
 def load_latest(root: str | Path) -> tuple[WeightManifest, dict[str, torch.Tensor]] | None:
     """The newest complete, valid update in ``root`` (manifest and tensors by name), or None.
 
     Use it after a crash to restart an engine (or a trainer) from the last weights that were
-    fully written. Updates without ``manifest.json`` (interrupted) or with ``ABORT`` are skipped;
+    fully written, holding the whole model (see :func:`is_full_update`: delta, partial and LoRA
+    pushes are skipped). Updates without ``manifest.json`` (interrupted) or with ``ABORT`` are skipped;
     so, with a logged warning, is a broken one (unparseable manifest, a missing, stale, reshaped or
     corrupt bucket, a checksum mismatch, a symlink), and the next newest is tried.
     """
@@ -657,8 +681,8 @@ def load_latest(root: str | Path) -> tuple[WeightManifest, dict[str, torch.Tenso
         except (WeightSyncError, OSError) as exc:
             logger.warning("disk: skipping update %s: %s", d, exc)
             continue
-        if manifest.delta is not None and manifest.delta.base_version is not None:
-            continue  # a delta is only complete on top of its base: recovery needs a full update
+        if not is_full_update(manifest):
+            continue  # a delta, partial or LoRA push is not the model's weights on its own
         candidates.append((manifest.version, written, d, manifest))
     for _, _, directory, manifest in sorted(candidates, key=lambda c: (c[0], c[1]), reverse=True):
         try:

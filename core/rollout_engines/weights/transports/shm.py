@@ -10,6 +10,7 @@ on failure, and unlink them if the trainer died (a killed trainer cannot).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -20,10 +21,13 @@ import torch
 
 from ...errors import WeightSyncError
 from ..manifest import TransportSpec
-from ._slots import SlotReceiver, SlotSender
+from ._slots import SlotReceiver, SlotSender, slot_name, slot_number
 from ._store import TRAINER
 
 logger = logging.getLogger("rollout_engines.weights")
+
+#: Where the system lists shared-memory segments as files (Linux).
+_SHM_DIR = "/dev/shm"
 
 
 class _Attached:
@@ -109,11 +113,18 @@ class ShmReceiver(SlotReceiver):
     def _after_detach(self, trainer_gone: bool, names: list[str]) -> None:
         if not trainer_gone:
             return
-        # A killed trainer cannot unlink its segments; they are numbered 1, 2, ... (including a
-        # slot it made that we never opened), so remove them here.
-        made = [int(n.rsplit("_", 1)[1]) for n in names]
-        for n in range(1, max(made, default=0) + 3):
+        # A killed trainer cannot unlink its segments; they are numbered 1, 2, ..., so remove every
+        # one up to the highest any log named (also in an earlier, aborted update, whose slots we
+        # closed already) and the two it may have packed into before publishing them; where
+        # segments are listed (Linux), any other of this session too.
+        sid = self.spec.session_id
+        top = max([self.highest_slot, *(slot_number(n) for n in names)])
+        doomed = {slot_name(sid, n) for n in range(1, top + 3)}
+        prefix = slot_name(sid, 0)[:-1]
+        with contextlib.suppress(OSError):
+            doomed.update(n for n in os.listdir(_SHM_DIR) if n.startswith(prefix) and n[len(prefix) :].isdigit())
+        for name in sorted(doomed):
             try:
-                _Attached.unlink_name(f"roe_{self.spec.session_id}_{n}")
+                _Attached.unlink_name(name)
             except FileNotFoundError:
                 pass
