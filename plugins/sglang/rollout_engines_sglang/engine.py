@@ -102,6 +102,7 @@ from rollout_engines.types import (
     LastReceive,
     PauseMode,
     ReceiveTimings,
+    SamplingParams,
     StreamDelta,
 )
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, validate_manifest
@@ -469,7 +470,7 @@ class SglangEngine(Engine):
         place = {q.rid: k for k, q in enumerate(plan.seqs)}  # a sequence's place in plan.kwargs
         try:
             while True:
-                once = self._run_once(runtime, kwargs, batch)
+                once = self._run_once(runtime, kwargs, batch, plan.request.sampling)
                 try:
                     async for item in once:
                         yield item
@@ -500,8 +501,10 @@ class SglangEngine(Engine):
                 self._user_aborted.discard(q.rid)
 
     async def _run_once(self, runtime: SglangStreamingRuntime, kwargs: dict[str, Any],
-                        batch: list[_Seq]) -> AsyncGenerator[tuple[_Seq, int, int], None]:
-        """One SGLang call for the sequences in ``batch`` (in its order)."""
+                        batch: list[_Seq], sampling: SamplingParams) -> AsyncGenerator[tuple[_Seq, int, int], None]:
+        """One SGLang call for the sequences in ``batch`` (in its order). A sequence the ``keep``
+        pause aborted is suspended, unless its last token already ended it
+        (:func:`.translate.ended_before_abort`): then it ends with that reason."""
         by_rid = {q.sglang_rid: q for q in batch}
         self._cache.submitted()
         chunks: AsyncIterator[dict[str, Any]] = runtime.generate_stream(**kwargs)
@@ -519,7 +522,11 @@ class SglangEngine(Engine):
                 start, end = q.out.absorb(chunk, version)
                 if (q.out.finished and self._kept_version is not None and q.rid not in self._user_aborted
                         and translate.finish_reason({"finish_reason": q.out.finish}) == "abort"):
-                    q.out.finished, q.out.finish, q.suspended = False, None, True
+                    done = translate.ended_before_abort(q.out.token_ids, sampling, self._eos_token_ids(), self._decode)
+                    if done is not None:
+                        q.out.end(done, self._decode)
+                    else:
+                        q.out.finished, q.out.finish, q.suspended = False, None, True
                 yield q, start, end
         finally:
             open_rids = [q.sglang_rid for q in batch if not q.out.finished and not q.suspended]
@@ -547,6 +554,18 @@ class SglangEngine(Engine):
             for q in suspended:
                 if not q.out.finished:
                     q.out.finished, q.out.finish = True, {"type": "abort", "message": "engine closed while paused"}
+
+    def _eos_token_ids(self) -> list[int]:
+        """The ids SGLang ends a sequence at unless ``ignore_eos``: the model's EOS ids (SGLang's
+        ``ModelConfig.hf_eos_token_id``, where the runtime has them) and the tokenizer's."""
+        ids = getattr(self.runtime, "eos_token_ids", None)
+        if isinstance(ids, int):
+            ids = [ids]
+        out = {int(t) for t in ids or ()}
+        eos = getattr(self.runtime.tokenizer, "eos_token_id", None)
+        if isinstance(eos, int):
+            out.add(eos)
+        return sorted(out)
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.runtime.tokenizer.decode(ids, skip_special_tokens=True))

@@ -265,6 +265,11 @@ class InProcessRuntime:
         self.vocab_size = getattr(mc, "vocab_size", None)
         self.context_length = getattr(mc, "context_len", None) or getattr(sa, "context_length", None)
         self.incremental_stream = bool(getattr(sa, "incremental_streaming_output", False))
+        #: The model's EOS ids (SGLang's ``ModelConfig.hf_eos_token_id``: an int, a set or None).
+        eos = getattr(mc, "hf_eos_token_id", None)
+        self.eos_token_ids: tuple[int, ...] = (
+            (int(eos),) if isinstance(eos, int) else tuple(int(t) for t in eos or ())
+        )
         self.weight_loaders: tuple[str, ...] = tuple(getattr(sa, "custom_weight_loader", None) or ())
 
     @staticmethod

@@ -172,6 +172,31 @@ def cut_at_stop_token(token_ids: list[int], stop_token_ids: Sequence[int]) -> in
     return None
 
 
+def ended_before_abort(
+    token_ids: Sequence[int], sampling: SamplingParams, eos_token_ids: Sequence[int],
+    decode: Callable[[list[int]], str],
+) -> dict[str, Any] | None:
+    """The finish reason of a sequence SGLang reported aborted although its tokens already end it,
+    else None. SGLang's abort of a running request still runs one decode step and
+    ``Req.check_finished`` tests ``to_abort`` before the length, stop-token and stop-string checks
+    (python/sglang/srt/managers/schedule_batch.py), so the token of that step may have been its
+    budget's last, EOS, a stop token or the end of a stop string: such a sequence is done, not to
+    be continued (``token_ids``: its tokens, those of ``continue_from`` not included)."""
+    if not token_ids:
+        return None
+    if len(token_ids) >= sampling.max_tokens:
+        return {"type": "length", "length": sampling.max_tokens}
+    last = int(token_ids[-1])
+    if not sampling.ignore_eos and (last in set(sampling.stop_token_ids) or last in set(eos_token_ids)):
+        return {"type": "stop", "matched": last}
+    if sampling.stop:
+        text = decode(list(token_ids))
+        matched = next((s for s in sampling.stop if s in text), None)
+        if matched is not None:
+            return {"type": "stop", "matched": matched}
+    return None
+
+
 def to_completions(
     outputs: Sequence[Mapping[str, Any]] | Mapping[str, Any],
     prompts: Sequence[list[int]],
@@ -276,9 +301,32 @@ class SequenceOutput:
             self.finished, self.finish = True, meta["finish_reason"]
         return start, len(self.token_ids)
 
+    def end(self, finish: Mapping[str, Any], decode: Callable[[list[int]], str]) -> None:
+        """End the sequence here with ``finish`` (SGLang's format), its text decoded from its tokens
+        and trimmed at the stop ``finish`` names (see :func:`ended_before_abort`)."""
+        self.finished, self.finish, self._decode = True, dict(finish), decode
+
+    def _decoded_text(self, decode: Callable[[list[int]], str]) -> str:
+        """The text of a resubmitted sequence, decoded from all its tokens and trimmed at the stop
+        its last SGLang request matched, as SGLang's detokenizer trims it
+        (``DetokenizerManager.trim_matched_stop``: a matched stop token is left out of the decoded
+        ids, a matched stop string and what follows it are cut from that request's text)."""
+        matched = self.finish.get("matched") if isinstance(self.finish, Mapping) else None
+        if isinstance(matched, int) and not isinstance(matched, bool) and len(self.token_ids) > self.base:
+            return decode(self.token_ids[:-1])
+        text = decode(self.token_ids)
+        if isinstance(matched, str) and matched:
+            # SGLang matches stop strings within its request's own output: look there first.
+            pos = text.find(matched, len(decode(self.token_ids[: self.base])))
+            if pos == -1:
+                pos = text.rfind(matched)
+            if pos != -1:
+                text = text[:pos]
+        return text
+
     def as_output(self) -> dict[str, Any]:
         """In the format of SGLang's non-streamed output (what :func:`to_completions` reads)."""
-        text = self._decode(self.token_ids) if self._decode is not None else self.text
+        text = self.text if self._decode is None else self._decoded_text(self._decode)
         return {
             "output_ids": list(self.token_ids), "text": text,
             "meta_info": {"finish_reason": self.finish, "output_token_logprobs": list(self.logprob_entries)},

@@ -666,3 +666,43 @@ async def test_an_abort_pause_after_a_keep_pause_ends_the_suspended_sequences(ti
     assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 250
     await engine.resume()
     assert len(fake.generate_calls) == 1
+
+
+class _AbortsAfterTheLastToken(StreamingFakeSglangRuntime):
+    """SGLang's abort of a running request sets ``req.to_abort``: the request still runs one decode
+    step, and ``Req.check_finished`` tests ``to_abort`` before the length and stop-token checks
+    (python/sglang/srt/managers/schedule_batch.py), so a request whose last token (its budget's
+    last, or a stop token) came in that step ends as 'abort' with that token. Here the ``abort``
+    pause lands in the step that makes each sequence's last token."""
+
+    def _chunk(self, i, rid, ids, out, start, finish, kw, k_top):  # type: ignore[no-untyped-def]
+        if finish is not None and self.pause_modes and self.paused:
+            finish = {"type": "abort", "message": "Abort request", "status_code": None}
+        return super()._chunk(i, rid, ids, out, start, finish, kw, k_top)
+
+    async def pause_mode(self, mode: str) -> None:
+        if mode != "abort":
+            return await super().pause_mode(mode)
+        self.pause_modes.append(mode)
+        self.paused = True
+        self._admit.clear()
+        while self.live:  # each sequence runs to its last token, which ends it as 'abort'
+            await asyncio.sleep(self.step_s)
+
+
+async def test_a_sequence_a_keep_pause_ends_at_its_last_token_is_finished_not_resubmitted(tiny_model) -> None:
+    """A sequence SGLang reports aborted by the ``keep`` pause although it has made its whole
+    budget ends there as 'length' (a stop token: see test_translate); resubmitted, it would get one
+    token more than max_tokens."""
+    fake = _AbortsAfterTheLastToken(tiny_model, step_s=0.01)
+    config = EngineConfig(backend="sglang", model=str(tiny_model), dtype="float32", options={"relay_device": "cpu"})
+    engine = SglangEngine(config, runtime=fake)
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0)
+    task = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=[[5, 6]], sampling=sampling)))
+    await asyncio.sleep(0.015)
+    await asyncio.wait_for(engine.pause("keep"), 5)
+    await engine.resume()
+    out = (await asyncio.wait_for(task, 5))[0]
+    assert len(fake.generate_calls) == 1, "the finished sequence was resubmitted"
+    assert len(out.token_ids) == 4 and len(out.logprobs or []) == 4 and out.finish_reason == "length"
+    assert out.text == fake.tokenizer.decode(out.token_ids, skip_special_tokens=True)

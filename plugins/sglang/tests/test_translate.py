@@ -110,3 +110,59 @@ def test_stop_token_ids_with_ignore_eos_are_cut_here() -> None:
     # No stop token in the output: left as SGLang returned it.
     (comp,) = translate.to_completions([{**full, "output_ids": [1, 2]}], [[1]], s.model_copy(update={"logprobs": None}), 3)
     assert comp.token_ids == [1, 2] and comp.finish_reason == "length" and comp.text == "full text"
+
+
+@pytest.mark.parametrize("matched", ["X", 14])
+def test_text_of_a_resubmitted_sequence_is_trimmed_at_its_stop_as_sglang_trims_it(matched) -> None:
+    """A sequence a ``keep`` pause resubmitted gets its text decoded from all its tokens; a stop
+    string or stop token SGLang matched in the new request is not part of the text, as SGLang's
+    detokenizer trims it (DetokenizerManager.trim_matched_stop) for a request never resubmitted."""
+    vocab = {11: "a", 12: "b", 13: "c", 14: "X!", 15: "d"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(vocab[t] for t in ids)
+
+    out = translate.SequenceOutput()
+    out.absorb({"text": None, "output_ids": [11, 12], "meta_info": {"finish_reason": None}}, 0)
+    out.resubmitted(decode)  # the keep pause ended SGLang's request; it goes on as a new one
+    finish = {"type": "stop", "matched": matched}
+    # SGLang's text of the new request: trimmed before the stop string / without the stop token.
+    out.absorb({"text": "c", "output_ids": [13, 14], "meta_info": {"finish_reason": finish}}, 1)
+    assert out.token_ids == [11, 12, 13, 14]
+    assert out.as_output()["text"] == "abc"
+    # Not finished at a stop: the text is every token's.
+    plain = translate.SequenceOutput()
+    plain.absorb({"text": None, "output_ids": [11], "meta_info": {"finish_reason": None}}, 0)
+    plain.resubmitted(decode)
+    plain.absorb({"text": "X!d", "output_ids": [14, 15], "meta_info": {"finish_reason": {"type": "length"}}}, 1)
+    assert plain.as_output()["text"] == "aX!d"
+
+
+def test_a_sequence_aborted_at_a_token_that_ends_it_is_finished_with_that_reason() -> None:
+    """SGLang's abort of a running request runs one more decode step and reports 'abort' even where
+    that step's token ended the sequence (Req.check_finished tests to_abort first): a ``keep``
+    pause must not continue such a sequence past its budget, EOS, stop token or stop string."""
+    vocab = {1: "a", 2: "b", 3: "<eos>", 4: "STOP"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(vocab[t] for t in ids)
+
+    def ended(ids: list[int], **kw) -> dict | None:
+        return translate.ended_before_abort(ids, SamplingParams(max_tokens=5, **kw), [3], decode)
+
+    assert ended([1, 2]) is None and ended([]) is None
+    assert ended([1, 2, 1, 2, 1]) == {"type": "length", "length": 5}
+    assert ended([1, 3]) == {"type": "stop", "matched": 3}  # EOS
+    assert ended([1, 3], ignore_eos=True) is None
+    assert ended([1, 2], stop_token_ids=[2]) == {"type": "stop", "matched": 2}
+    assert ended([1, 4], stop=["ST"]) == {"type": "stop", "matched": "ST"}
+    # Ended there, its text is trimmed as SGLang trims a stop token or string.
+    for ids, finish, text in (([1, 2], {"type": "stop", "matched": 2}, "a"),
+                              ([1, 4], {"type": "stop", "matched": "ST"}, "a"),
+                              ([1, 2], {"type": "length", "length": 2}, "ab")):
+        out = translate.SequenceOutput()
+        out.absorb({"text": None, "output_ids": ids, "meta_info": {"finish_reason": {"type": "abort"}}}, 0)
+        out.end(finish, decode)
+        assert out.finished and out.as_output()["text"] == text
+        (comp,) = translate.to_completions([out.as_output()], [[9]], SamplingParams(max_tokens=5), 0)
+        assert comp.finish_reason == ("length" if finish["type"] == "length" else "stop")
