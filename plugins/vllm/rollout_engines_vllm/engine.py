@@ -25,7 +25,8 @@ Shape of a running engine::
   ``pause_generation(mode="keep")``; after a push the kept requests are preempted by the prefix
   cache reset and recomputed under the new weights on resume. vLLM labels every output token with
   the weight version it was sampled under (``update_weight_version`` after each push), which gives
-  ``token_weight_versions``. ``pause("abort")`` / ``pause("wait")`` abort by id / drain here.
+  ``token_weight_versions``. ``pause("abort")`` / ``pause("wait")`` abort by id / drain here
+  (after a ``keep`` pause, with vLLM's scheduler unfrozen first).
   ``continue_from`` submits prompt + earlier tokens as the prompt and merges the outputs.
 """
 
@@ -316,7 +317,8 @@ class VllmEngine(Engine):
         self._seqs: dict[str, _Seq] = {}
         self._seqs_lock = threading.Lock()
         self._abort_tasks: set[asyncio.Future[None]] = set()
-        self._vllm_paused = False
+        self._vllm_paused = False  # vLLM's scheduler frozen by pause("keep") (it answered)
+        self._vllm_freezing = False  # pause("keep") asked vLLM to freeze: resume() unfreezes
         self._label_version = 0  # the weight version vLLM labels new tokens with
         self._label_task: concurrent.futures.Future[None] | None = None  # vLLM told the last push's version
         self._door: Doorbell | None = None  # option direct_receive, while a weight transfer is open
@@ -561,21 +563,26 @@ class VllmEngine(Engine):
 
         # vLLM's logprobs=k: the k most likely tokens plus the sampled one; 0: the sampled one only.
         logprobs = s.top_logprobs if s.top_logprobs is not None else (0 if s.logprobs is not None else None)
-        return VSamplingParams(
-            n=1,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            min_p=s.min_p,
-            max_tokens=s.max_tokens,
-            stop=list(s.stop) or None,
-            stop_token_ids=list(s.stop_token_ids) or None,
-            ignore_eos=s.ignore_eos,
-            seed=seed,
-            logprobs=logprobs,
-            prompt_logprobs=s.prompt_logprobs,
-            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
-        )
+        try:
+            return VSamplingParams(
+                n=1,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                min_p=s.min_p,
+                max_tokens=s.max_tokens,
+                stop=list(s.stop) or None,
+                stop_token_ids=list(s.stop_token_ids) or None,
+                ignore_eos=s.ignore_eos,
+                seed=seed,
+                logprobs=logprobs,
+                prompt_logprobs=s.prompt_logprobs,
+                output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
+            )
+        except _client_errors() as exc:
+            # vLLM checks bounds of its own (temperature at most 2.0) as the params are built, and
+            # raises an error that is no ValueError: the request fails alone, with the typed error.
+            raise InvalidRequest(f"vLLM rejected the sampling parameters: {exc}") from exc
 
     def _prompts(self, request: GenerateRequest) -> list[list[int]]:
         """Every prompt's token ids, checked by the core's prompt rules. Text is tokenized here as
@@ -928,22 +935,33 @@ class VllmEngine(Engine):
     async def _pause(self, mode: PauseMode) -> None:
         """The base class holds new requests. ``keep``: vLLM's scheduler freezes the running ones
         (pause_generation(mode="keep")); ``abort``: they are aborted by id; ``abort`` and ``wait``
-        return once every request in flight has ended."""
+        return once every request in flight has ended. A ``wait`` or ``abort`` pause after a ``keep``
+        one unfreezes vLLM's scheduler (the base class still holds new requests): frozen requests
+        could neither drain nor end."""
+        llm = self._llm
         if mode == "keep":
-            llm = self._llm
+            # Marked first: a pause cancelled once vLLM froze (its answer still on the way) is
+            # undone by resume() all the same. _vllm_paused (the doorbell may ring beside frozen
+            # requests) only once vLLM answered.
+            self._vllm_freezing = True
             await self._on_loop(lambda: llm.pause_generation(mode="keep", clear_cache=False))
             self._vllm_paused = True
             return
         if mode == "abort":
             await self._abort(None)
+        await self._unfreeze()
         while self._outstanding or self._seqs:
             await asyncio.sleep(0.005)
 
-    async def _resume(self) -> None:
+    async def _unfreeze(self) -> None:
+        """Undo ``pause("keep")``'s freeze of vLLM's scheduler (if this vLLM can)."""
         llm = self._llm
-        if self._vllm_paused and hasattr(llm, "resume_generation"):
+        if (self._vllm_paused or self._vllm_freezing) and hasattr(llm, "resume_generation"):
             await self._on_loop(llm.resume_generation)
-        self._vllm_paused = False
+        self._vllm_paused = self._vllm_freezing = False
+
+    async def _resume(self) -> None:
+        await self._unfreeze()
 
     async def _sleep(self, level: int, tags: Sequence[str]) -> None:
         llm = self._llm

@@ -223,3 +223,59 @@ async def test_stream_across_a_keep_pause_and_push(engine, tiny_model):
     await push(original, v0 + 2)
     after = await engine.info()
     assert after.paused_s == pytest.approx(before.paused_s) and after.held_s > before.held_s
+
+
+async def test_sampling_vllm_refuses_is_an_invalid_request(engine):
+    """Sampling params the core accepts but vLLM does not (temperature above vLLM's 2.0) fail that
+    request alone with InvalidRequest, in generate and in stream, and the engine keeps serving."""
+    await idle(engine)
+    hot = SamplingParams(temperature=2.5, max_tokens=2)
+    with pytest.raises(InvalidRequest, match="temperature"):
+        await engine.generate(GenerateRequest(prompt_token_ids=PROMPTS, sampling=hot))
+    with pytest.raises(InvalidRequest, match="temperature"):
+        async for _ in engine.stream(GenerateRequest(prompt_token_ids=PROMPTS, sampling=hot)):
+            pass
+    await idle(engine)
+    assert [len(c.token_ids) for c in await engine.generate(GenerateRequest(prompt_token_ids=PROMPTS, sampling=greedy(2)))] == [2, 2]
+
+
+async def test_wait_pause_after_keep_drains(engine):
+    """pause('wait') after pause('keep'): the kept requests run to their end (vLLM's scheduler
+    unfrozen; new requests are still held by the pause) and the pause returns once they ended."""
+    await idle(engine)
+    pending = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=PROMPTS, sampling=greedy(LONG))))
+    await asyncio.sleep(0.1)
+    try:
+        await engine.pause("keep")
+        assert not pending.done()
+        await asyncio.wait_for(engine.pause("wait"), 30)
+        assert pending.done() and [(c.finish_reason, len(c.token_ids)) for c in pending.result()] == [("length", LONG)] * 2
+        info = await engine.info()
+        assert info.paused and info.extra["frozen"] is False
+    finally:
+        await engine.resume()
+    assert [len(c.token_ids) for c in await engine.generate(GenerateRequest(prompt_token_ids=PROMPTS, sampling=greedy(2)))] == [2, 2]
+
+
+async def test_resume_after_a_cancelled_keep_pause(engine):
+    """A pause('keep') cancelled after vLLM froze its scheduler (here: vLLM's answer comes late and
+    the caller's timeout ends the call) still lets resume() unfreeze it: held requests continue."""
+    await idle(engine)
+    llm = engine.async_llm
+    freeze = llm.pause_generation
+
+    async def late_answer(**kwargs):
+        await freeze(**kwargs)
+        await asyncio.sleep(3600)
+
+    pending = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=PROMPTS, sampling=greedy(200))))
+    await asyncio.sleep(0.05)
+    llm.pause_generation = late_answer
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.pause("keep"), 0.5)
+    finally:
+        del llm.pause_generation
+        await engine.resume()
+    outs = await asyncio.wait_for(pending, 60)
+    assert [(c.finish_reason, len(c.token_ids)) for c in outs] == [("length", 200)] * 2
