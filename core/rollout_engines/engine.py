@@ -161,6 +161,47 @@ class EngineProtocol(abc.ABC):
         await self.close()
 
 
+class _Gate:
+    """Open or shut; :meth:`wait` returns once it is open. Like an open-by-default
+    :class:`asyncio.Event`, but bound to no event loop: one engine serves callers on any loop (a
+    loop per test, a blocking wrapper's own), and an ``Event`` that once made a caller wait belongs
+    to that caller's loop. Each waiter waits on a future of its own loop."""
+
+    def __init__(self) -> None:
+        self._open = True
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def is_set(self) -> bool:
+        return self._open
+
+    def clear(self) -> None:
+        self._open = False
+
+    def set(self) -> None:
+        self._open = True
+        waiters, self._waiters = self._waiters, []
+        for future in waiters:
+            loop = future.get_loop()
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_release, future)
+
+    async def wait(self) -> None:
+        if self._open:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(future)
+        try:
+            await future
+        finally:
+            if future in self._waiters:
+                self._waiters.remove(future)
+
+
+def _release(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class Engine(EngineProtocol):
     """Base class of every backend. Async first; see :class:`BlockingEngine` for scripts."""
 
@@ -179,8 +220,7 @@ class Engine(EngineProtocol):
         self._weights_invalid: str | None = None
         self._closed = False
         self._outstanding = 0
-        self._resumed = asyncio.Event()
-        self._resumed.set()
+        self._resumed = _Gate()
         self._paused = False
         self._paused_at = 0.0
         self._paused_total_s = 0.0  # info().paused_s
