@@ -718,7 +718,8 @@ class SglangEngine(Engine):
 
     async def _pause(self, mode: PauseMode) -> None:
         """See the module docstring: ``wait`` drains and then pauses SGLang ``in_place`` (nothing
-        runs then), ``abort`` is SGLang's mode ``abort``, ``keep`` its mode ``retract``."""
+        runs then; after a ``keep`` pause, its suspended sequences run to their end first),
+        ``abort`` is SGLang's mode ``abort``, ``keep`` its mode ``retract``."""
         runtime = self.runtime
         if mode == "keep":
             assert isinstance(runtime, SglangStreamingRuntime)
@@ -732,6 +733,10 @@ class SglangEngine(Engine):
                 self._keep_active = False
                 raise
             return
+        if mode == "wait" and self._keep_active:
+            # The sequences a keep pause suspended could never drain: they are resubmitted and run
+            # to their end (the base class still holds new requests), then SGLang pauses in place.
+            await self._resume()
         if mode == "abort":
             assert isinstance(runtime, SglangStreamingRuntime)
             await runtime.pause_mode("abort")

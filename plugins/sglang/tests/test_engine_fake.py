@@ -668,6 +668,22 @@ async def test_an_abort_pause_after_a_keep_pause_ends_the_suspended_sequences(ti
     assert len(fake.generate_calls) == 1
 
 
+async def test_a_wait_pause_after_a_keep_pause_lets_the_suspended_sequences_finish(tiny_model) -> None:
+    import asyncio
+
+    engine, fake = make(tiny_model)
+    task = await paused_in_keep(engine)
+    await asyncio.wait_for(engine.pause("wait"), 10)  # it waited for sequences that could not run
+    out = (await asyncio.wait_for(task, 1))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 250
+    later = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=[[7]],
+                                                                  sampling=SamplingParams(max_tokens=2))))
+    await asyncio.sleep(0.05)
+    assert not later.done()  # still paused: new requests wait
+    await engine.resume()
+    assert len((await asyncio.wait_for(later, 10))[0].token_ids) == 2
+
+
 class _AbortsAfterTheLastToken(StreamingFakeSglangRuntime):
     """SGLang's abort of a running request sets ``req.to_abort``: the request still runs one decode
     step, and ``Req.check_finished`` tests ``to_abort`` before the length and stop-token checks
