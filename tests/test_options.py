@@ -49,3 +49,15 @@ def test_split_engine_kwargs_sends_unknown_names_to_options() -> None:
     assert fields == {"dtype": "float32", "seed": 3}
     assert options == {"a": 1, "enforce_eager": True}  # a keyword argument wins over options[...]
     assert split_engine_kwargs({}) == ({}, {})
+
+
+def test_create_engine_with_a_config_refuses_settings_it_would_drop() -> None:
+    """``create_engine(config, ...)``: the config holds every setting, so a model or an option given
+    beside it is refused (it used to be dropped without a word) with what to write instead."""
+    from rollout_engines import EngineConfig, create_engine
+
+    config = EngineConfig(backend="no-such-backend", model="m")
+    with pytest.raises(TypeError, match=r"got model, enforce_eager beside it; .*options"):
+        create_engine(config, model="other", enforce_eager=True)
+    with pytest.raises(TypeError, match="got seed beside it"):
+        create_engine(config, seed=3)

@@ -89,6 +89,22 @@ def test_deny_list_blocks_by_distribution_name(plugin_env) -> None:
     assert "dupplug" in registry.blocked
 
 
+def test_two_distributions_with_one_entry_point_name_are_both_loaded(plugin_env) -> None:
+    """roe_goodplug and roe_samename both name their entry point 'goodplug': the second is not
+    skipped as "already loaded", so its own backend appears and the clash on 'good' is rule 4's error."""
+    registry = plugin_env("good", "samename")
+    assert registry.backends["samename"].distribution == "roe_samename"
+    with pytest.raises(roe.DuplicateBackend, match="'roe_goodplug' and 'roe_samename'"):
+        roe.create_engine("good", model="unused")
+
+
+def test_deny_by_distribution_blocks_only_that_distribution(plugin_env) -> None:
+    registry = plugin_env("good", "samename", ROLLOUT_ENGINES_PLUGINS_DENY="roe_samename")
+    assert "samename" not in registry.backends
+    assert registry.backends["good"].distribution == "roe_goodplug"
+    assert registry.backends["good"].error is None
+
+
 def test_allow_list_loads_only_named_plugins_and_the_core(plugin_env) -> None:
     registry = plugin_env("good", "broken", "dup", ROLLOUT_ENGINES_PLUGINS_ALLOW="goodplug")
     # Every plugin not on the list is blocked (other installed plugins too), the named one is not.
@@ -97,6 +113,13 @@ def test_allow_list_loads_only_named_plugins_and_the_core(plugin_env) -> None:
     assert registry.failures == []
     assert registry.backends["good"].error is None
     assert "transformers" in registry.backends  # the core's own entry point is implicitly allowed
+
+
+def test_allow_list_exempts_only_the_cores_own_entry_point(plugin_env) -> None:
+    """A third party's entry point named 'core' is not the core's: the allow list blocks it."""
+    registry = plugin_env("good", "fakecore", ROLLOUT_ENGINES_PLUGINS_ALLOW="goodplug")
+    assert "fakecore" not in registry.backends
+    assert "transformers" in registry.backends and "good" in registry.backends
 
 
 def test_deny_wins_over_allow(plugin_env) -> None:

@@ -16,6 +16,7 @@ import importlib
 import json
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from .errors import RolloutEnginesError
@@ -66,13 +67,32 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least_one(option: str) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= 1, else a usage error naming ``option``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{option} wants an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{option} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     console = _console(args.json)
     say = console.print
     if args.engines > 1 or args.ray:
+        if args.transport is not None:  # the group demo picks its own (inproc, gloo with Ray)
+            args.parser.error("--transport applies to one engine; leave it out with --engines N > 1 or --ray")
         from .demo_group import run_group_demo
 
-        summary = run_group_demo(args.backend, args.model, engines=args.engines, use_ray=args.ray)
+        summary = run_group_demo(
+            args.backend, args.model, engines=args.engines, use_ray=args.ray, say=say, max_tokens=args.max_tokens,
+        )
     else:
         from .demo import main_demo
 
@@ -128,12 +148,12 @@ def build_parser(bench_module: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="generate, push new weights, sleep/wake: the main job end to end")
     p.add_argument("--backend", default="transformers")
     p.add_argument("--model", default=None, help="model directory (default: the tiny test model)")
-    p.add_argument("--transport", default=None, help="weight transport (default: the cheapest the engine declares)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--engines", type=int, default=1, help="run on an EngineGroup of N engines")
+    p.add_argument("--transport", default=None, help="weight transport of the one-engine demo (default: the cheapest the engine declares)")
+    p.add_argument("--max-tokens", type=_at_least_one("--max-tokens"), default=32)
+    p.add_argument("--engines", type=_at_least_one("--engines"), default=1, help="run on an EngineGroup of N engines")
     p.add_argument("--ray", action="store_true", help="engines as Ray actors")
     p.add_argument("--json", action="store_true", help="print one JSON summary last")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, parser=p)
 
     p = sub.add_parser("check", help="run the conformance suite against a backend")
     p.add_argument("--backend", required=True)

@@ -16,8 +16,17 @@ def create_engine(backend: str | EngineConfig = "transformers", model: str | Non
 
     Unknown keyword arguments that are not :class:`EngineConfig` fields go to ``options`` (the
     backend's own settings), so ``create_engine("vllm", model=p, enforce_eager=True)`` works.
+    Given an :class:`EngineConfig`, the config holds every setting: ``model`` or keyword arguments
+    beside it are a ``TypeError`` (they would otherwise be dropped).
     """
     if isinstance(backend, EngineConfig):
+        extra = (["model"] if model is not None else []) + list(kwargs)
+        if extra:
+            raise TypeError(
+                f"create_engine(config) takes every setting from the EngineConfig; got {', '.join(extra)} "
+                "beside it; put them in the config (config.model_copy(update={...}), backend settings "
+                "under options), or call create_engine(backend_name, model=..., **settings)"
+            )
         config = backend
     else:
         if model is None:

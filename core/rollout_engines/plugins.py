@@ -12,7 +12,9 @@ Precedence (tested in ``tests/test_plugins.py``):
 3. A plugin that fails to import is reported (``rollout-engines backends`` shows the error) and
    skipped; the others keep working. ``ROLLOUT_ENGINES_STRICT_PLUGINS=1`` re-raises instead.
 4. A name registered by two distributions is an error naming both; creating that backend raises
-   :class:`DuplicateBackend` (strict mode raises at discovery). The same distribution registering
+   :class:`DuplicateBackend` (strict mode raises at discovery). A plugin is one per (distribution,
+   entry-point name): two distributions that use the same entry-point name are both loaded, and
+   the deny list blocks only the distribution it names. The same distribution registering
    the same spec again is a no-op (plugins are loaded again in every worker process).
 5. A first-party backend whose plugin is not installed is still known, with its install hint.
 
@@ -164,6 +166,16 @@ class PluginFailure:
     error: str
 
 
+def _plugin_key(entry_point: str, distribution: str | None) -> str:
+    """The plugin manager's name of a plugin: entry-point names are unique only within a distribution."""
+    return f"{distribution}:{entry_point}" if distribution else entry_point
+
+
+def _normalized(distribution: str) -> str:
+    """A distribution name as PEP 503 compares them (``Rollout_Engines`` is ``rollout-engines``)."""
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
 def _env_list(name: str) -> set[str] | None:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
@@ -225,14 +237,15 @@ class Registry:
         for ep in entry_points:
             dist = ep.dist.name if ep.dist is not None else None
             version = ep.dist.version if ep.dist is not None else None
-            key = f"{dist}:{ep.name}"
+            key = _plugin_key(ep.name, dist)
             if key in seen:  # the same distribution found twice on sys.path
                 continue
             seen.add(key)
             names = {ep.name} | ({dist} if dist else set())
-            if names & deny or (allow is not None and ep.name != CORE_ENTRY_POINT and not names & allow):
+            is_core = ep.name == CORE_ENTRY_POINT and dist is not None and _normalized(dist) == DISTRIBUTION
+            if names & deny or (allow is not None and not is_core and not names & allow):
                 self.blocked.append(ep.name)
-                self.pm.set_blocked(ep.name)
+                self.pm.set_blocked(key)
                 continue
             try:
                 module = ep.load()
@@ -244,24 +257,29 @@ class Registry:
             self.add_plugin(module, name=ep.name, distribution=dist, version=version)
 
     def add_plugin(self, plugin: Any, *, name: str, distribution: str | None = None, version: str | None = None) -> None:
-        """Register one plugin object (a module or an instance with hookimpls) and its backends."""
-        if self.pm.is_blocked(name) or self.pm.has_plugin(name):
+        """Register one plugin object (a module or an instance with hookimpls) and its backends.
+
+        ``name`` is its entry-point name; a plugin is one per (distribution, name), so two
+        distributions that pick the same entry-point name are both loaded (and a backend name both
+        claim is rule 4's error), and denying one blocks only that one."""
+        key = _plugin_key(name, distribution)
+        if self.pm.is_blocked(key) or self.pm.has_plugin(key):
             return
         try:
-            self.pm.register(plugin, name=name)
+            self.pm.register(plugin, name=key)
             self.pm.check_pending()
         except Exception as exc:
-            if self.pm.has_plugin(name):
-                self.pm.unregister(name=name)
+            if self.pm.has_plugin(key):
+                self.pm.unregister(name=key)
             if strict_mode():
                 raise
             self._fail(name, distribution, exc)
             return
         for impl in self.pm.hook.register_backends.get_hookimpls():
-            if impl.plugin_name == name:
+            if impl.plugin_name == key:
                 self._run_register(impl.function, name, distribution, version, self._add_backend)
         for impl in self.pm.hook.register_transports.get_hookimpls():
-            if impl.plugin_name == name:
+            if impl.plugin_name == key:
                 self._run_register(impl.function, name, distribution, version, self._add_transport)
 
     def _run_register(
