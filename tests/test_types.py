@@ -19,7 +19,7 @@ def _fields(exc: ValidationError) -> set[str]:
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"temperature": -0.1}, "temperature"),
-        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
         ({"n": 0}, "n"),
         ({"logprobs": -1}, "logprobs"),
@@ -30,6 +30,10 @@ def test_sampling_params_reject_bad_values(kwargs: dict, field: str) -> None:
     with pytest.raises(ValidationError) as info:
         SamplingParams(**kwargs)
     assert field in _fields(info.value)
+
+
+def test_top_k_zero_disables_top_k_as_vllm_reads_it() -> None:
+    assert SamplingParams(top_k=0).top_k == -1
 
 
 def test_sampling_params_accept_single_stop_string() -> None:

@@ -97,7 +97,8 @@ class SamplingParams(_Model):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(
         default=-1, ge=-1,
-        description=f"-1 disables top-k; at most MAX_TOP_K ({MAX_TOP_K}); above the vocabulary it is the vocabulary.",
+        description=f"-1 (or 0, as vLLM reads it) disables top-k; at most MAX_TOP_K ({MAX_TOP_K}); above the "
+        "vocabulary it is the vocabulary.",
     )
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     max_tokens: int = Field(default=16, ge=1, description=f"At most MAX_TOKENS ({MAX_TOKENS}).")
@@ -129,7 +130,7 @@ class SamplingParams(_Model):
     @classmethod
     def _top_k_valid(cls, v: int) -> int:
         if v == 0:
-            raise ValueError("top_k must be -1 (disabled) or >= 1")
+            return -1  # disabled, as vLLM and transformers read 0
         if v > MAX_TOP_K:
             raise ValueError(
                 f"top_k={v} is above MAX_TOP_K ({MAX_TOP_K}, 2**31-1); use -1 to disable top-k "

@@ -113,8 +113,6 @@ def _sampling(sp: dict[str, Any]) -> SamplingParams:
                              f"{', '.join(sorted(_MAPPED))}")
     if isinstance(out.get("stop"), str):
         out["stop"] = [out["stop"]]
-    if out.get("top_k") == 0:
-        out["top_k"] = -1  # vLLM: 0 and -1 both disable top-k
     k = out.get("logprobs")
     if k:  # vLLM's logprobs=k: the sampled token's logprob and the k most likely tokens
         out["top_logprobs"] = k
