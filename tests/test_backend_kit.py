@@ -175,3 +175,26 @@ def test_prefix_cache_tracker_skips_only_resets_that_cannot_matter() -> None:
     assert cache.dirty() is None
     cache.forget()  # memory released and restored
     assert cache.dirty() is not None
+
+
+def test_options_passed_on_must_be_the_librarys_arguments_and_not_the_backends_own() -> None:
+    import dataclasses
+
+    from rollout_engines.backend_kit import check_passed_options
+
+    @dataclasses.dataclass
+    class Args:
+        gpu_memory_utilization: float = 0.9
+        seed: int = 0
+
+    def check(extra: dict) -> None:
+        check_passed_options(extra, Args, library="Args", own=["enforce_eager"], set_here={"seed": "EngineConfig.seed"})
+
+    check({"gpu_memory_utilization": 0.5})
+    with pytest.raises(ValueError, match="unknown option 'gpu_memory_utilisation'.*did you mean 'gpu_memory_utilization'"):
+        check({"gpu_memory_utilisation": 0.5})
+    with pytest.raises(ValueError, match="'enforce_eagre'.*did you mean 'enforce_eager'"):
+        check({"enforce_eagre": True})
+    with pytest.raises(ValueError, match="'seed' is set by rollout-engines; use EngineConfig.seed"):
+        check({"seed": 3})
+    check_passed_options({"anything": 1}, None, library="Args", own=(), set_here={})  # no dataclass: not checked

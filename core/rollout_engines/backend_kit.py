@@ -6,6 +6,8 @@
 - :func:`validate_prompts`: the one context-window rule, ``len(prompt) + max_tokens <= max_model_len``,
   plus empty prompts and token ids outside the vocabulary, as :class:`~.errors.InvalidRequest`.
 - :func:`finish_reason`: an engine library's finish reason as the core's ``FinishReason``.
+- :func:`check_passed_options`: options a backend hands on to its library's own arguments must
+  be arguments it has, and not ones the backend sets itself (they would be overridden silently).
 
 Nothing here imports an engine library, torch or numpy.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -166,6 +168,27 @@ def _check_vocabulary(what: str, ids: Sequence[int], vocab_size: int) -> None:
 
 
 # ---- finish reasons ---------------------------------------------------------------------------------
+def check_passed_options(
+    extra: Mapping[str, Any], target: type | None, *, library: str, own: Iterable[str],
+    set_here: Mapping[str, str],
+) -> None:
+    """Refuse, before the library starts, an option a backend would hand on to ``target`` (its
+    library's argument dataclass, e.g. ``vllm.AsyncEngineArgs``; ``None``: not checked) that is
+    not one of its fields (with the nearest name among them and the backend's ``own`` options), or
+    one of ``set_here`` (argument -> where to set it instead): :class:`ValueError` saying so."""
+    import dataclasses
+    import difflib
+
+    fields = {f.name for f in dataclasses.fields(target)} if target is not None and dataclasses.is_dataclass(target) else None
+    for key in extra:
+        if key in set_here:
+            raise ValueError(f"{library} argument {key!r} is set by rollout-engines; use {set_here[key]} instead")
+        if fields is not None and key not in fields:
+            near = difflib.get_close_matches(key, [*fields, *own], n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ValueError(f"unknown option {key!r}: neither an option of this backend nor a {library} argument{hint}")
+
+
 def finish_reason(reason: Any) -> FinishReason:
     """An engine library's finish reason as the core's: ``"stop"``, ``"length"`` and ``"abort"``
     pass through (also as SGLang's ``{"type": ...}`` dicts); anything else (None, ``"error"``, a

@@ -82,7 +82,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from rollout_engines.backend_kit import PrefixCacheTracker, check_continuations, validate_prompts
+from rollout_engines.backend_kit import (
+    PrefixCacheTracker,
+    check_continuations,
+    check_passed_options,
+    validate_prompts,
+)
 from rollout_engines.engine import Capabilities, Engine
 from rollout_engines.errors import (
     BackendNotInstalled,
@@ -198,6 +203,24 @@ class SglangOptions(BaseModel):
         return v
 
 
+#: SGLang arguments the engine sets itself (where it does), and where to set them instead.
+_SET_HERE = {
+    "model_path": "EngineConfig.model", "tokenizer_path": "EngineConfig.tokenizer", "dtype": "EngineConfig.dtype",
+    "random_seed": "EngineConfig.seed", "tp_size": "EngineConfig.tensor_parallel_size",
+    "enable_memory_saver": "nothing (sleep and wake-up need it)",
+    "context_length": "EngineConfig.max_model_len", "base_gpu_id": "EngineConfig.device",
+}
+
+
+def _server_args() -> type | None:
+    """SGLang's ``ServerArgs`` (what ``sglang.Engine`` takes), where SGLang is installed."""
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError:
+        return None
+    return ServerArgs
+
+
 def server_kwargs(config: EngineConfig, opts: SglangOptions, model_path: str | None = None) -> dict[str, Any]:
     """Keyword arguments of ``sglang.Engine`` for ``config`` (pure; SGLang validates them).
     ``model_path``: the checkpoint SGLang loads when it is not ``config.model`` (the FP8 copy of
@@ -246,7 +269,10 @@ def server_kwargs(config: EngineConfig, opts: SglangOptions, model_path: str | N
             # Adapters of lora_paths are not pushed versions; max_loaded_loras makes SGLang evict
             # adapters and reload them from their path, which a tensor-loaded adapter does not have.
             raise ValueError(f"backend 'sglang' with enable_lora manages its adapters itself; drop {clash}")
-    kw.update(opts.model_extra or {})
+    extra = opts.model_extra or {}
+    check_passed_options(extra, _server_args(), library="sglang ServerArgs", own=SglangOptions.model_fields,
+                         set_here={key: _SET_HERE[key] for key in kw if key in _SET_HERE})
+    kw.update(extra)
     if opts.copy_plan:
         from .loader import LOADER
 

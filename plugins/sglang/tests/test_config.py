@@ -57,3 +57,12 @@ def test_copy_plan_adds_the_plugins_weight_loader_to_sglangs_own() -> None:
     assert server_kwargs(config, SglangOptions())["custom_weight_loader"] == [LOADER]  # the default
     off = SglangOptions.model_validate({"copy_plan": False})
     assert "custom_weight_loader" not in server_kwargs(config, off)
+
+
+@pytest.mark.parametrize(("option", "where"), [
+    ("random_seed", "EngineConfig.seed"), ("context_length", "EngineConfig.max_model_len")
+])
+def test_arguments_the_engine_sets_are_refused_as_options_saying_where_they_go(option, where) -> None:
+    config = EngineConfig(backend="sglang", model="/m", max_model_len=512, options={option: 1})
+    with pytest.raises(ValueError, match=f"{option}' is set by rollout-engines; use {where}"):
+        server_kwargs(config, SglangOptions.model_validate(config.options))

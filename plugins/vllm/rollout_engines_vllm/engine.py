@@ -49,6 +49,7 @@ from rollout_engines.backend_kit import (
     LoopThread,
     PrefixCacheTracker,
     check_continuations,
+    check_passed_options,
     finish_reason,
     validate_prompts,
 )
@@ -108,11 +109,22 @@ class SleepModeEngineExists(EngineUnavailable):
     """Another sleep-mode vLLM engine is alive in this process; only one can be."""
 
 
+#: vLLM arguments the engine sets itself, and where to set them instead.
+_SET_HERE = {
+    "model": "EngineConfig.model", "tokenizer": "EngineConfig.tokenizer", "dtype": "EngineConfig.dtype",
+    "seed": "EngineConfig.seed", "tensor_parallel_size": "EngineConfig.tensor_parallel_size",
+    "worker_extension_cls": "nothing (the weight receiver is this extension)",
+    "disable_log_stats": "the option log_stats",
+}
+
+
 class VllmOptions(BaseModel):
     """The vLLM backend's own options (``create_engine("vllm", model=..., **options)``).
 
     Anything not listed here is passed to ``vllm.AsyncEngineArgs`` unchanged (for example
-    ``max_num_seqs``, ``gpu_memory_utilization``, ``enable_prefix_caching``).
+    ``max_num_seqs``, ``gpu_memory_utilization``, ``enable_prefix_caching``); a name that is not
+    one of its fields, or one the engine sets itself (``seed``, ``dtype``, ...: set them in
+    :class:`EngineConfig`), is refused before vLLM starts.
     """
 
     model_config = ConfigDict(extra="allow")
@@ -460,6 +472,10 @@ class VllmEngine(Engine):
         cfg, opts = self.config, self.options
         cpu = self.platform == "cpu"
         kwargs: dict[str, Any] = dict(opts.model_extra or {})
+        set_here = {**_SET_HERE, "max_cpu_loras": "the option max_loras (max_cpu_loras is twice it)"} \
+            if opts.enable_lora else _SET_HERE
+        check_passed_options(kwargs, AsyncEngineArgs, library="vllm.AsyncEngineArgs", own=VllmOptions.model_fields,
+                             set_here=set_here)
         kwargs.update(
             model=self._served_model(),
             tokenizer=cfg.tokenizer or cfg.model,

@@ -51,6 +51,17 @@ def test_direct_receive_defaults_to_the_platform(platform, option, used):
     assert direct_receive_default(platform, options.direct_receive) is used
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    ({"gpu_memory_utilisation": 0.5}, "unknown option 'gpu_memory_utilisation'.*did you mean 'gpu_memory_utilization'"),
+    ({"seed": 3}, "'seed' is set by rollout-engines; use EngineConfig.seed"),
+    ({"disable_log_stats": False}, "use the option log_stats"),
+    ({"enable_lora": True, "max_cpu_loras": 8}, "use the option max_loras"),
+])
+def test_options_vllm_would_refuse_or_the_engine_overrides_are_refused(tiny_model, options, message):
+    with pytest.raises(ValueError, match=message):
+        args_for(str(tiny_model), options=options)
+
+
 @pytest.mark.parametrize(
     ("tp", "options", "executor"),
     [
