@@ -92,20 +92,32 @@ class Endpoint:
     """One server taking part in an ``http`` session."""
 
     url: str
-    headers: dict[str, str]
+    #: Carries the server's API key: kept out of ``repr()`` (logs, tracebacks with locals).
+    headers: dict[str, str] = field(repr=False)
     ranks: int = 1
 
 
 _endpoints: dict[str, list[Endpoint]] = {}
 #: Why an engine of a session cannot join (so the sender fails at once instead of timing out).
-_refusals: dict[str, str] = {}
+_refusals: dict[str, Exception] = {}
 _endpoints_cv = threading.Condition()
+#: How often a waiting sender looks at its ``cancelled`` event (``cancel`` does not notify).
+_CHECK_S = 0.1
 
 
 def register_endpoint(session_id: str, endpoint: Endpoint) -> None:
     """Called by a ``remote`` engine once its server accepted ``/weights/init`` for the weight sync ``session_id``."""
     with _endpoints_cv:
         _endpoints.setdefault(session_id, []).append(endpoint)
+        _endpoints_cv.notify_all()
+
+
+def refuse_session(session_id: str, error: Exception) -> None:
+    """An engine of the weight sync ``session_id`` cannot join it (its server refused
+    ``/weights/init`` or could not be reached): the session's sender raises ``error`` at once
+    instead of waiting out its timeout for an endpoint that will never register."""
+    with _endpoints_cv:
+        _refusals.setdefault(session_id, error)
         _endpoints_cv.notify_all()
 
 
@@ -143,14 +155,15 @@ class HttpSender(TransportSender):
         with _endpoints_cv:
             while sum(e.ranks for e in _endpoints.get(self.session_id, [])) < self.world_size - 1:
                 if self.session_id in _refusals:
-                    raise CapabilityError(_refusals.pop(self.session_id))
+                    raise _refusals.pop(self.session_id)
+                self.raise_if_cancelled()  # an engine refused (connect_weight_sync cancels us)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WeightSyncError(
                         "http: not every engine joined the session in time; only 'remote' engines can "
                         "receive over 'http'", peer="engine",
                     )
-                _endpoints_cv.wait(min(left, 1.0))
+                _endpoints_cv.wait(min(left, _CHECK_S))
             self.endpoints = list(_endpoints[self.session_id])
         timeout = httpx.Timeout(self.timeout_s, connect=float(self.options.get("connect_timeout_s", 10.0)))
         self._client = httpx.Client(timeout=timeout, limits=httpx.Limits(
@@ -247,9 +260,7 @@ class HttpReceiver(InprocReceiver):
         if self.spec.session_id not in _relay_sessions:
             reason = ("the 'http' transport carries weights to engines behind a rollout-engines server "
                       "(backend 'remote'); for an engine in this process use 'inproc' (or 'shm' across processes)")
-            with _endpoints_cv:  # the trainer's sender in this process stops waiting for us
-                _refusals[self.spec.session_id] = reason
-                _endpoints_cv.notify_all()
+            refuse_session(self.spec.session_id, CapabilityError(reason))  # the sender stops waiting for us
             raise CapabilityError(reason)
         super().connect()
 
@@ -263,6 +274,16 @@ class _RelaySender(InprocSender):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.cancelled = threading.Event()
+
+    def connect(self) -> None:
+        # InprocSender.connect in short waits: an engine that refuses to join cancels it
+        # (HttpIngress.open), so /weights/init answers its refusal at once, not after timeout_s.
+        deadline = time.monotonic() + self.timeout_s
+        while len(self._queues()) < self.world_size - 1:
+            self.raise_if_cancelled()
+            if time.monotonic() > deadline:
+                raise WeightSyncError("relay: the served engine's receivers did not join in time", peer="engine")
+            time.sleep(0.01)
 
     def send_bucket(self, header: BucketHeader, buf: torch.Tensor) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -345,9 +366,22 @@ class HttpIngress:
             sender = cls(session_id=local_id, world_size=world, timeout_s=spec.timeout_s, options={})
         local_spec = TransportSpec(transport=local, session_id=local_id, rank_offset=1, world_size=world,
                                    timeout_s=spec.timeout_s, options=sender.spec_options())
-        results = await asyncio.gather(asyncio.to_thread(sender.connect), self.engine.init_weight_transfer(local_spec),
-                                       return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
+        connect = asyncio.ensure_future(asyncio.to_thread(sender.connect))
+        join = asyncio.ensure_future(self.engine.init_weight_transfer(local_spec))
+        try:
+            await asyncio.wait({connect, join}, return_when=asyncio.FIRST_EXCEPTION)
+            if join.done() and join.exception() is not None:
+                sender.cancel(f"the served engine refused to join: {join.exception()}")  # the relay stops waiting
+            await asyncio.wait({connect, join})
+        except BaseException:  # /weights/init was cancelled (its client went away): neither goes on alone
+            join.cancel()
+            sender.cancel("the /weights/init request was cancelled")
+            await asyncio.wait({connect, join})
+            _relay_sessions.discard(local_id)
+            await asyncio.to_thread(sender.close)
+            raise
+        # The engine's refusal says why; the relay's wait it cancelled does not.
+        errors = [e for e in (join.exception(), connect.exception()) if e is not None]
         if errors:
             _relay_sessions.discard(local_id)
             await asyncio.to_thread(sender.close)

@@ -5,6 +5,7 @@ real ``rollout-engines serve`` child process; the trainer is this test process."
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -12,6 +13,8 @@ import rollout_engines as roe
 import torch
 from rollout_engines.errors import WeightSyncError
 from rollout_engines.weights.manifest import specs_of
+
+from .conftest import start_thread_server
 
 pytestmark = pytest.mark.remote
 
@@ -157,3 +160,49 @@ async def test_one_http_session_to_two_servers(remote, thread_server, original):
         assert tokens(await other.generate(request())) == tokens(before)
     finally:
         await other.close()
+
+
+async def test_http_session_a_server_refuses_fails_at_once(tiny_model):
+    """A server whose engine cannot join (closed here) answers /weights/init with its refusal at
+    once, and the trainer's sender stops waiting for that server's endpoint: the session fails
+    with the engine's reason in seconds, not after its timeout_s."""
+    engine = roe.create_engine("transformers", model=str(tiny_model))
+    server = start_thread_server(engine)
+    remote = roe.create_engine("remote", model=server.url, api_key=server.api_key)
+    try:
+        await engine.close()
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match="is closed") as info:
+            await asyncio.wait_for(roe.connect_weight_sync([remote], transport="http", timeout_s=60), 20)
+        assert isinstance(info.value.__cause__, roe.EngineClosed)
+        assert time.monotonic() - start < 10
+    finally:
+        await remote.close()
+        server.stop()
+
+
+async def test_http_session_to_a_server_that_is_gone_fails_at_once(tiny_model):
+    """A server that cannot be reached any more: the engine's failed /weights/init ends the
+    sender's wait for its endpoint, naming the server (not 'not every engine joined in time')."""
+    engine = roe.create_engine("transformers", model=str(tiny_model))
+    server = start_thread_server(engine)
+    remote = roe.create_engine("remote", model=server.url, api_key=server.api_key)
+    try:
+        server.stop()
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match="did not join") as info:
+            await asyncio.wait_for(roe.connect_weight_sync([remote], transport="http", timeout_s=60), 20)
+        assert server.url in str(info.value)
+        assert time.monotonic() - start < 10
+    finally:
+        await remote.close()
+        await engine.close()
+
+
+async def test_http_endpoints_keep_the_api_key_out_of_repr(remote, remote_options):
+    """The sender's endpoints carry each server's key in their headers: never in their repr."""
+    async with await roe.connect_weight_sync([remote], transport="http") as sync:
+        endpoints = sync.sender.endpoints
+        assert endpoints and endpoints[0].url == remote.url
+        assert remote_options["api_key"] not in repr(endpoints)
+        assert endpoints[0].headers["authorization"] == f"Bearer {remote_options['api_key']}"

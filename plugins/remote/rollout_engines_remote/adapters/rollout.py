@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from rollout_engines.errors import EngineUnavailable
+from rollout_engines.errors import EngineUnavailable, WeightSyncError
 from rollout_engines.proxy import Channel, WireError
 from rollout_engines.weights.manifest import manifest_from_wire
 
@@ -107,7 +107,17 @@ class RolloutServerChannel(Channel):
         if method == "diagnostics" and args.get("fingerprint"):
             path += "?fingerprint=true"
         body = self._body(method, args)
-        out = await self.api.request(verb, path, json=body, timeout=timeout_s)
+        try:
+            out = await self.api.request(verb, path, json=body, timeout=timeout_s)
+        except Exception as exc:
+            if method == "init_weight_transfer" and args["spec"].get("transport") == "http":
+                from ..transport import refuse_session
+
+                # The trainer's sender waits for this server's endpoint: it fails now, saying why.
+                refuse_session(str(args["spec"]["session_id"]), WeightSyncError(
+                    f"http: the server at {self.api.base_url} did not join the weight sync: {exc}",
+                    peer=self.api.base_url))
+            raise
         if method == "init_weight_transfer" and args["spec"].get("transport") == "http":
             from ..transport import Endpoint, register_endpoint  # torch only when weights move
 
