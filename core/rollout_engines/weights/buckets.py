@@ -51,6 +51,8 @@ def checksum(buf: torch.Tensor, algo: str = "pos64") -> int:
     """
     if algo == "none":
         return 0
+    if buf.storage_offset() % 8:
+        buf = buf.clone()  # words need an 8-byte boundary (a slice a few bytes into its storage)
     n = buf.numel() // 8 * 8
     words = buf[:n].view(torch.int64) if n else None
     tail = 0
@@ -164,6 +166,8 @@ def checksum_tensors(tensors: Sequence[torch.Tensor], algo: str = "pos64") -> in
     tail_total = 0
     for t in tensors:
         raw = (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
+        if raw.storage_offset() % 8:
+            raw = raw.clone()  # a view a few bytes into its storage: words need an 8-byte boundary
         n8 = raw.numel() // 8
         if n8:
             words = raw[: n8 * 8].view(torch.int64)

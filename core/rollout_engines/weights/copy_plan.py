@@ -220,7 +220,11 @@ def record_copy_plan(
 ) -> CopyPlan:
     """Load ``named`` through ``load_weights`` once (for real) while recording where each tensor goes.
 
-    ``named`` tensors must not share storage with each other (clone them if they do)."""
+    ``named`` tensors must not share storage with each other (clone them if they do). The plan is
+    of contiguous sources (what :meth:`CopyPlan.covers` replays): a tensor laid out otherwise (a
+    transposed or strided view) is loaded from a contiguous copy, so the recorded source strides and
+    offsets are those of any contiguous tensor of its shape."""
+    named = [(n, t if t.is_contiguous() else t.contiguous()) for n, t in named]
     sources: dict[int, tuple[str, torch.Tensor]] = {}
     for name, tensor in named:
         ptr = _storage_ptr(tensor)
@@ -280,7 +284,8 @@ class PlannedLoader:
         if new:
             # Learn where these names land by loading them once for real. The recorder tells
             # tensors apart by storage and bucket views share one, so they are copied first.
-            learned = record_copy_plan([(n, t.clone()) for n, t in new], load_weights)
+            learned = record_copy_plan([(n, t.clone(memory_format=torch.contiguous_format)) for n, t in new],
+                                       load_weights)
             plan.copies.update(learned.copies)
             plan.fallback |= learned.fallback
             plan.shapes.update(learned.shapes)
