@@ -183,3 +183,76 @@ class _WorkerTarget(StateDictTarget):
 
 def echo_tokens(prompt_last: int, offset: int, n: int) -> list[int]:
     return [(prompt_last + offset + k) % VOCAB for k in range(n)]
+
+
+class AbortableEcho(EchoEngine):
+    """An :class:`EchoEngine` whose requests can be aborted (``abort`` capability): a request runs
+    ``delay_s`` seconds, or until its id is aborted (then it returns ``finish_reason="abort"`` and no
+    tokens). Extra test controls: ``broken`` makes every request raise a ``RuntimeError`` (a generic
+    error, not an engine failure) and the health check fail, after ``health_delay_s`` seconds;
+    ``late_poison`` raises the :data:`POISON` prompt's ``RuntimeError`` only after the delay (the
+    request was in flight meanwhile)."""
+
+    capabilities = EchoEngine.capabilities.model_copy(update={"abort": True})
+
+    def __init__(self, name: str = "echo", *, delay_s: float = 0.0, workers: int = 1) -> None:
+        super().__init__(name, delay_s=delay_s, workers=workers)
+        self.broken = False
+        self.late_poison = False
+        self.health_delay_s = 0.0
+        self.health_checks = 0
+        self.aborted: list[str] = []  # ids this engine ended early
+        self._running: dict[str, asyncio.Future[None]] = {}
+
+    async def _generate(self, request: GenerateRequest) -> list[Completion]:
+        self._alive()
+        if self.broken:
+            raise RuntimeError(f"{self.name} is broken")
+        prompts = request.prompt_token_ids or [[1]]
+        if prompts[0][0] == POISON and not self.late_poison:
+            raise RuntimeError("this prompt breaks the engine's code (but not the engine)")
+        ids = list(request.request_ids or ())
+        self.calls += 1
+        self.concurrent += 1
+        self.max_concurrent = max(self.max_concurrent, self.concurrent)
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+        self._inflight.add(ended)
+        for rid in ids:
+            self._running[rid] = ended
+        handle = loop.call_later(self.delay_s, lambda: ended.done() or ended.set_result(None))
+        try:
+            await ended
+        finally:
+            handle.cancel()
+            self._inflight.discard(ended)
+            for rid in ids:
+                self._running.pop(rid, None)
+            self.concurrent -= 1
+        self._alive()
+        if prompts[0][0] == POISON:
+            raise RuntimeError("this prompt breaks the engine's code (but not the engine)")
+        aborted = any(rid in self.aborted for rid in ids)
+        tag = request.session_id or "-"
+        self.served[tag] += 1
+        self.order.append(tag)
+        n = 0 if aborted else request.sampling.max_tokens
+        return [
+            Completion(prompt_index=i, prompt_token_ids=p, token_ids=echo_tokens(p[-1], self.offset(), n),
+                       finish_reason="abort" if aborted else "length", weight_version=self.weight_version)
+            for i, p in enumerate(prompts)
+        ]
+
+    async def _abort(self, request_ids: Sequence[str] | None) -> None:
+        self._alive()
+        for rid in list(self._running) if request_ids is None else request_ids:
+            ended = self._running.get(rid)
+            if ended is not None and not ended.done():
+                self.aborted.append(rid)
+                ended.set_result(None)
+
+    async def health(self) -> bool:
+        self.health_checks += 1
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
+        return not self.broken and await super().health()

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from echo_engine import POISON, EchoEngine, echo_tokens
+from echo_engine import POISON, AbortableEcho, EchoEngine, echo_tokens
 from rollout_engines import (
     CapabilityError,
     EngineAsleep,
@@ -455,3 +455,80 @@ def test_router_benchmark_reports_its_numbers():
     out = bench.run(args)
     assert out["routed_per_s"] > 0 and out["routed_per_s_yielding"] > 0 and out["direct_per_s"] > 0
     assert len(out["spread"]) == 4 and min(out["spread"]) > 0  # every engine got requests
+
+
+async def _until(check, what: str) -> None:
+    for _ in range(2500):
+        if check():
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+@pytest.mark.parametrize("call", ["generate", "stream"])
+async def test_abort_while_the_group_checks_a_failed_members_health_reaches_the_retry(call: str):
+    # Member 0 raises a generic error; the group checks its health (slow) before retrying the
+    # request on member 1. An abort of the id in that window must end the retried request.
+    broken, good = AbortableEcho("broken", delay_s=30.0), AbortableEcho("good", delay_s=30.0)
+    broken.broken, broken.health_delay_s = True, 0.2
+    group = EngineGroup([broken, good], routing="round_robin", health_interval_s=None)
+    request = GenerateRequest(prompt_token_ids=[[3]], sampling=SamplingParams(max_tokens=2), request_ids=["r"])
+
+    async def run() -> tuple[str | None, list[int]]:
+        if call == "generate":
+            out = (await group.generate(request))[0]
+            return out.finish_reason, out.token_ids
+        deltas = [d async for d in group.stream(request)]
+        return deltas[-1].finish_reason, [t for d in deltas for t in d.token_ids]
+
+    task = asyncio.ensure_future(run())
+    await _until(lambda: broken.health_checks == 1, "the group checks member 0's health")
+    await group.abort(["r"])
+    assert await asyncio.wait_for(task, 5) == ("abort", [])
+    assert good.aborted == ["r"] and group.retried == 1 and not group.member_stats()[0]["healthy"]
+    assert group._owners == {} and not group._abort_on_arrival
+
+
+async def test_a_bad_request_on_a_member_that_missed_a_push_fails_only_itself():
+    # Member 1 joined after the weight sync connected, so a push leaves it healthy but stale (no
+    # traffic until it catches up). A request it was running when the push came then raises an
+    # error of its own: the request fails, the member is not marked down, nothing is retried.
+    first, late = AbortableEcho("first"), AbortableEcho("late", delay_s=0.2)
+    first.late_poison = late.late_poison = True
+    group = EngineGroup([first], routing="round_robin", health_interval_s=None)
+    sync = await connect_weight_sync([group], "inproc")
+    try:
+        assert await group.add_engine(late) == 1
+        await group.generate(req(3))  # round robin: member 0; the next goes to member 1
+        bad = asyncio.ensure_future(group.generate(req(POISON)))
+        await _until(lambda: late.concurrent == 1, "member 1 runs the bad request")
+        await sync.push({"bias": torch.full((1, 4), 1.0)}, version=1)
+    finally:
+        await sync.close()
+    assert group.member_stats()[1]["serving"] is False  # stale, still healthy
+    with pytest.raises(RuntimeError, match="breaks the engine's code"):
+        await asyncio.wait_for(bad, 5)
+    assert first.calls == 1 and group.retried == 0  # not tried again on member 0
+    stats = group.member_stats()[1]
+    assert stats["healthy"] and stats["failures"] == 0, stats
+
+
+@pytest.mark.parametrize("call", ["generate", "stream"])
+async def test_a_caller_cancelling_while_its_member_goes_down_is_not_retried(call: str):
+    slow, other = EchoEngine("slow", delay_s=30.0), EchoEngine("other")
+    group = EngineGroup([slow, other], routing="round_robin", health_interval_s=None)
+
+    async def run() -> object:
+        if call == "generate":
+            return await group.generate(req(3))
+        return [d async for d in group.stream(req(3))]
+
+    task = asyncio.ensure_future(run())
+    await _until(lambda: slow.concurrent == 1, "member 0 runs it")
+    task.cancel()  # the caller gives up ...
+    slow.crash()  # ... and at the same moment member 0 dies and the group marks it down
+    group._mark_down(group._members[0], "test: crashed")
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+    assert other.calls == 0 and group.retried == 0  # not retried: the caller asked for nothing more
+    assert (await group.info()).outstanding == 0 and group._owners == {}

@@ -234,6 +234,9 @@ class EngineGroup(_Router):
                     member.inflight.discard(task)
                     member.outstanding -= 1
                     self._release(member)
+                # The member's attempt has ended: from here the ids wait in the group again, so an
+                # abort while the group decides (a health check) reaches the retry (_route).
+                self._enter(ids)
                 if not await self._is_engine_failure(member, error):
                     raise error
                 failures += 1
@@ -244,7 +247,6 @@ class EngineGroup(_Router):
                 self.retried += 1
                 logger.debug("retrying a request after member %d failed: %r", member.index, error)
                 self._ensure_started()
-                self._enter(ids)  # waiting in the group again
         finally:
             self._leave(ids)
 
@@ -282,6 +284,9 @@ class EngineGroup(_Router):
                     raise
                 except Exception as exc:
                     error: BaseException = exc
+                    # The ids wait in the group again (while the member's stream closes and the
+                    # group decides): an abort meanwhile reaches a retry (_route).
+                    self._enter(ids)
                 else:
                     member.completed += 1
                     return
@@ -306,7 +311,6 @@ class EngineGroup(_Router):
                     ) from error
                 self.retried += 1
                 self._ensure_started()
-                self._enter(ids)
         finally:
             self._leave(ids)
 
@@ -413,13 +417,15 @@ class EngineGroup(_Router):
 
     def _take_eviction(self, task: asyncio.Task[Any]) -> bool:
         """Withdraw the group's cancellation of ``task`` (its member went down); False if the
-        group had not cancelled it. The engine may have turned the cancellation into another error."""
+        group had not cancelled it, or if the caller cancelled it as well (then the cancellation is
+        the caller's: the request ends, it is not retried). The engine may have turned the
+        cancellation into another error."""
         if task not in self._evicted:
             return False
         self._evicted.discard(task)
         uncancel = getattr(task, "uncancel", None)  # Python >= 3.11 counts cancellations
         if uncancel is not None:
-            uncancel()
+            return bool(uncancel() == 0)
         return True
 
     # ---- fan-out -------------------------------------------------------------------------------

@@ -216,9 +216,11 @@ class _Membership(Engine):
     async def _is_engine_failure(self, member: _Member, error: BaseException) -> bool:
         """Decide whether ``error`` means the member is broken (mark it down, retry the request
         elsewhere) or is specific to the request (raise it to the caller)."""
-        if not isinstance(error, ENGINE_FAILURES) and member.serving:
+        if not isinstance(error, ENGINE_FAILURES) and member.healthy:
             # An unexpected error: blame the engine only if it also fails its health check, so
-            # one poisonous request cannot take down every member in turn.
+            # one poisonous request cannot take down every member in turn. (A member that is
+            # healthy but not serving, e.g. stale after a push it missed, is checked too; one
+            # already marked down is not.)
             if await self._healthy(member):
                 return False
         self._mark_down(member, error)
