@@ -80,7 +80,11 @@ class ApiClient:
         return self.backoff_s * (2**attempt) * (0.5 + random.random())
 
     async def request(self, method: str, path: str, *, json: Any = None, content: Any = None,
-                      timeout: float | None = None, idempotent: bool | None = None, raw: bool = False) -> Any:
+                      timeout: float | None = None, idempotent: bool | None = None, raw: bool = False,
+                      pass_status: tuple[int, ...] = ()) -> Any:
+        """The decoded answer (``raw``: the response). An error status raises its typed exception,
+        except one in ``pass_status``, whose response is returned as it is for the caller to read
+        (a server whose error answers carry a body of its own, such as SGLang's ``success: false``)."""
         idempotent = method == "GET" if idempotent is None else idempotent
         attempts = 1 + (self.retries if idempotent else 0)
         where = f"{method} {self.base_url}{path}"
@@ -114,6 +118,8 @@ class ApiClient:
                     and self._reload_key()):
                 reloaded = True  # refused before it ran: safe to send again, once, with the new key
                 continue
+            if resp.status_code in pass_status:
+                return resp
             return self._result(resp, where, raw)
 
     @staticmethod
@@ -134,26 +140,40 @@ class ApiClient:
             return resp.text
 
     def get_sync(self, path: str, *, timeout: float | None = None) -> Any:
-        """A blocking, retried GET (used while an engine is constructed, outside any event loop)."""
+        """A blocking, retried GET (used while an engine is constructed, outside any event loop);
+        the same rules as :meth:`request`: ``retries`` more attempts on connection errors and
+        502/503/504, no sleep after the last one, and a 401 sent once more after a key reload
+        (that resend is no retry)."""
         where = f"GET {self.base_url}{path}"
         t = httpx.Timeout(timeout or self.timeout.read or 30.0, connect=self.timeout.connect)
-        last: Exception | None = None
-        for attempt in range(1 + self.retries):
+        attempts = 1 + self.retries
+        reloaded, attempt = False, 0
+        while True:
             try:
                 with httpx.Client(base_url=self.base_url, headers=self.headers, timeout=t) as c:
                     resp = c.get(path)
+            except httpx.TimeoutException as exc:
+                if attempt + 1 < attempts:
+                    time.sleep(self._delay(attempt))
+                    attempt += 1
+                    continue
+                raise EngineUnavailable(f"{where}: no answer in time ({type(exc).__name__}); the server is "
+                                        "overloaded or stuck, or the timeout option is too short") from exc
             except httpx.TransportError as exc:
-                last = exc
+                if attempt + 1 < attempts:
+                    time.sleep(self._delay(attempt))
+                    attempt += 1
+                    continue
+                raise EngineUnavailable(f"{where}: cannot reach the server ({exc!r}); is it running, and is the "
+                                        "URL (EngineConfig.model or options['url']) right?") from exc
+            if resp.status_code in RETRY_STATUS and attempt + 1 < attempts:
                 time.sleep(self._delay(attempt))
+                attempt += 1
                 continue
-            if resp.status_code in RETRY_STATUS and attempt < self.retries:
-                time.sleep(self._delay(attempt))
-                continue
-            if resp.status_code == 401 and self._reload_key():
+            if resp.status_code == 401 and not reloaded and self._reload_key():
+                reloaded = True  # refused before it ran: sent once more with the new key
                 continue
             return self._result(resp, where, False)
-        raise EngineUnavailable(f"{where}: cannot reach the server ({last!r}); is it running, and is the URL "
-                                "(EngineConfig.model or options['url']) right?")
 
     async def aclose(self) -> None:
         client, self._client = self._client, None

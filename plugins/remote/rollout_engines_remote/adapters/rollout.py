@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 from rollout_engines.errors import EngineUnavailable, WeightSyncError
-from rollout_engines.proxy import Channel, WireError
+from rollout_engines.proxy import Channel
 from rollout_engines.weights.manifest import manifest_from_wire
 
 from ..api_client import ApiClient
@@ -151,9 +151,17 @@ class RolloutServerChannel(Channel):
                     data = line[5:].strip()
                     if data == "[DONE]":
                         return
-                    item = json.loads(data)
+                    try:
+                        item = json.loads(data)
+                    except ValueError:
+                        raise EngineUnavailable(f"{where}: the stream broke: not a JSON event ({data[:200]!r}); "
+                                                "is something between client and server cutting it?") from None
                     if isinstance(item, dict) and isinstance(item.get("error"), dict):
-                        raise WireError.model_validate(item["error"]).to_exception(where)
+                        # The error event carries the status the error would have had as an answer
+                        # ("code"): the same exception as a plain call gets for it.
+                        code = item["error"].get("code")
+                        status = code if isinstance(code, int) and not isinstance(code, bool) else 500
+                        raise error_from_payload(status, item, where)
                     yield item
         except httpx.TimeoutException as exc:
             raise EngineUnavailable(f"{where}: no delta in time ({type(exc).__name__})") from exc

@@ -33,11 +33,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 from rollout_engines.engine import Engine
 from rollout_engines.errors import BackendNotInstalled, CapabilityError, EngineUnavailable
 from rollout_engines.types import Completion, EngineConfig, GenerateRequest
 
 from ..api_client import ApiClient
+from ..protocol import error_from_payload
 from .base import ServerAdapter
 
 #: Transports a remote SGLang server receives over (see the module docstring).
@@ -77,9 +79,19 @@ class HttpSglangRuntime:
             self.vocab_size = json.loads(config.read_text()).get("vocab_size")
 
     async def _post(self, path: str, body: dict[str, Any], what: str, timeout: float | None = None) -> Any:
-        out = await self.api.request("POST", path, json=body, timeout=timeout)
-        _check(out, what)
-        return out
+        # SGLang answers a control call that failed with HTTP 400 and {"success": false, "message"}
+        # (http_server.py: update_weights_from_disk, init_weights_update_group, ...): that is
+        # SglangCallFailed, as in-process; any other 400 (a malformed request) stays typed as usual.
+        resp = await self.api.request("POST", path, json=body, timeout=timeout, pass_status=(400,))
+        if isinstance(resp, httpx.Response):
+            try:
+                payload: Any = resp.json()
+            except ValueError:
+                payload = resp.text
+            _check(payload, what)
+            raise error_from_payload(resp.status_code, payload, f"POST {self.api.base_url}{path}")
+        _check(resp, what)
+        return resp
 
     async def generate(self, **kwargs: Any) -> list[dict[str, Any]]:
         out = await self.api.request("POST", "/generate", json=kwargs)
