@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from .engine import EngineProtocol
-from .options import split_engine_kwargs
+from .options import engine_config
 from .plugins import get_registry
 from .types import EngineConfig
 
@@ -19,23 +19,7 @@ def create_engine(backend: str | EngineConfig = "transformers", model: str | Non
     Given an :class:`EngineConfig`, the config holds every setting: ``model`` or keyword arguments
     beside it are a ``TypeError`` (they would otherwise be dropped).
     """
-    if isinstance(backend, EngineConfig):
-        extra = (["model"] if model is not None else []) + list(kwargs)
-        if extra:
-            raise TypeError(
-                f"create_engine(config) takes every setting from the EngineConfig; got {', '.join(extra)} "
-                "beside it; put them in the config (config.model_copy(update={...}), backend settings "
-                "under options), or call create_engine(backend_name, model=..., **settings)"
-            )
-        config = backend
-    else:
-        if model is None:
-            raise ValueError(
-                "create_engine needs model=PATH (for a tiny local test model: "
-                "rollout_engines.testing.tiny_model.tiny_model_path())"
-            )
-        fields, options = split_engine_kwargs(kwargs)
-        config = EngineConfig(backend=backend, model=model, options=options, **fields)
+    config = engine_config(backend, model, kwargs)
     registry = get_registry()
     cls = registry.load_backend(config.backend)
     engine = cls(config)

@@ -30,6 +30,29 @@ def split_engine_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict
     return config, options
 
 
+def engine_config(backend: str | EngineConfig, model: str | None, kwargs: Mapping[str, Any], *,
+                  caller: str = "create_engine") -> EngineConfig:
+    """The :class:`EngineConfig` of ``caller(backend, model=..., **kwargs)``: a config as it is
+    (``model`` or settings beside it are a ``TypeError``: they would be dropped), or one built from
+    the backend's name, ``model`` and the settings (:func:`split_engine_kwargs`)."""
+    if isinstance(backend, EngineConfig):
+        extra = (["model"] if model is not None else []) + list(kwargs)
+        if extra:
+            raise TypeError(
+                f"{caller}(config) takes every setting from the EngineConfig; got {', '.join(extra)} "
+                "beside it; put them in the config (config.model_copy(update={...}), backend settings "
+                f"under options), or call {caller}(backend_name, model=..., **settings)"
+            )
+        return backend
+    if model is None:
+        raise ValueError(
+            f"{caller} needs model=PATH (for a tiny local test model: "
+            "rollout_engines.testing.tiny_model.tiny_model_path())"
+        )
+    fields, options = split_engine_kwargs(kwargs)
+    return EngineConfig(backend=backend, model=str(model), options=options, **fields)
+
+
 class InvalidOption(argparse.ArgumentTypeError, ValueError):
     """An ``--option`` that is not ``KEY=VALUE`` (argparse shows the message as a usage error)."""
 

@@ -15,7 +15,7 @@ import socket
 import uuid
 from typing import Any
 
-from ..proxy import EngineHost, load_factory
+from ..proxy import EngineHost, WireError, load_factory
 from ..types import EngineConfig
 
 #: Environment variables an actor reports in :meth:`EngineActor.describe` (device placement).
@@ -29,6 +29,22 @@ class EngineActor:
 
     def __init__(self, config: EngineConfig, ray_bundle: dict[str, Any] | None = None,
                  factory: str | None = None) -> None:
+        # A new id per start, so a proxy can tell a restarted actor from the one it knew.
+        self.incarnation = uuid.uuid4().hex[:12]
+        #: The first start's failure as a WireError dict (the actor then serves nothing else).
+        self.start_error: dict[str, Any] | None = None
+        try:
+            self._start(config, ray_bundle, factory)
+        except Exception as exc:
+            import ray
+
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                raise  # a restart that fails: the actor dies, its proxy raises EngineUnavailable
+            # Ray would carry this as ActorDiedError, or not at all when the class does not unpickle
+            # (UnknownBackend): keep it for the caller in the one error wire format instead.
+            self.start_error = WireError.of(exc).model_dump()
+
+    def _start(self, config: EngineConfig, ray_bundle: dict[str, Any] | None, factory: str | None) -> None:
         if ray_bundle is not None:
             import ray
 
@@ -41,12 +57,13 @@ class EngineActor:
             setup_device_env(config.backend, ray_bundle=bundle)
         self.engine = load_factory(factory)(config)
         self.host = EngineHost(self.engine)
-        # A new id per start, so a proxy can tell a restarted actor from the one it knew.
-        self.incarnation = uuid.uuid4().hex[:12]
 
     async def describe(self) -> dict[str, Any]:
+        """What the actor hosts, or ``{"start_error": WireError dict}`` when its engine did not start."""
         import ray
 
+        if self.start_error is not None:
+            return {"start_error": self.start_error}
         return {
             **self.host.describe(),
             "incarnation": self.incarnation,
@@ -58,6 +75,8 @@ class EngineActor:
 
     async def call(self, method: str, args: dict[str, Any]) -> tuple[bool, Any]:
         """One call of the engine protocol: ``(True, wire result)`` or ``(False, WireError dict)``."""
+        if self.start_error is not None:
+            return False, self.start_error
         ok, out = await self.host.reply(method, args)
         if ok and method == "info":
             out["extra"] = {**out.get("extra", {}), "incarnation": self.incarnation, "pid": os.getpid()}

@@ -5,7 +5,8 @@
 
 The proxy forwards every call to the actor (:class:`~rollout_engines.ray.actor.EngineActor`) and
 turns Ray's errors into the library's: an error raised by the engine arrives as itself (a
-``ValueError`` stays a ``ValueError``), a dead, restarting or unreachable actor is
+``ValueError`` stays a ``ValueError``, and so does an engine's start-up failure), a dead,
+restarting or unreachable actor, or one that does not answer within ``call_timeout_s``, is
 :class:`EngineUnavailable`, so an :class:`~rollout_engines.group.EngineGroup` retries the request on
 another engine. With ``max_restarts`` Ray restarts a dead actor (a fresh engine with its initial
 weights); a group notices by the weight version and brings it up to date before it takes traffic.
@@ -27,7 +28,7 @@ from ray.util.placement_group import PlacementGroup
 from ..envs import RAY_NOSET, RayBundle
 from ..errors import EngineUnavailable
 from ..group import EngineGroup
-from ..options import split_engine_kwargs
+from ..options import engine_config
 from ..proxy import Channel, ProxyEngine, WireError, bounded
 from ..types import EngineConfig, EngineInfo
 from .actor import EngineActor
@@ -86,13 +87,14 @@ class RayChannel(Channel):
 class RayEngine(ProxyEngine):
     """Proxy to an :class:`EngineActor`. Build it with :func:`create_ray_engine`."""
 
-    def __init__(self, actor: Any, config: EngineConfig, described: dict[str, Any], *, kill_on_close: bool = True) -> None:
+    def __init__(self, actor: Any, config: EngineConfig, described: dict[str, Any], *, kill_on_close: bool = True,
+                 call_timeout_s: float | None = 3600.0) -> None:
         self.actor = actor
         self.kill_on_close = kill_on_close
         self._apply_actor(described)
         label = f"ray engine '{described['backend']}' (pid {self.pid})"
         super().__init__(RayChannel(actor, label, kill_on_close=kill_on_close), config, described,
-                         call_timeout_s=None)
+                         call_timeout_s=call_timeout_s)
 
     def _apply_actor(self, d: dict[str, Any]) -> None:
         self.incarnation: str = d["incarnation"]
@@ -109,7 +111,8 @@ class RayEngine(ProxyEngine):
     async def refresh(self) -> dict[str, Any]:
         """Ask the actor again what it hosts (after a restart: new pid and incarnation)."""
         try:
-            described: dict[str, Any] = await self.actor.describe.remote()
+            described: dict[str, Any] = await bounded(self.actor.describe.remote(), self.call_timeout_s,
+                                                      self.label, "describe")
         except RayError as exc:
             raise _translate(exc, self.label) from exc
         self._apply(described)
@@ -127,12 +130,8 @@ class RayEngine(ProxyEngine):
 
 
 def _config_of(backend: str | EngineConfig, model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
-    if isinstance(backend, EngineConfig):
-        return backend
-    if model is None:
-        raise ValueError("create_ray_engine needs model=PATH (a path every Ray node can read)")
-    fields, options = split_engine_kwargs(kwargs)
-    return EngineConfig(backend=backend, model=str(model), options=options, **fields)
+    """(A model path every Ray node can read.)"""
+    return engine_config(backend, model, kwargs, caller="create_ray_engine")
 
 
 def launch_engine_actor(
@@ -175,8 +174,9 @@ def launch_engine_actor(
 
 
 async def _describe(actor: Any, config: EngineConfig, timeout_s: float | None) -> dict[str, Any]:
+    """The actor's description once its engine is up; its engine's start-up error as itself."""
     try:
-        return await asyncio.wait_for(actor.describe.remote(), timeout_s)
+        described: dict[str, Any] = await asyncio.wait_for(actor.describe.remote(), timeout_s)
     except asyncio.TimeoutError:
         raise EngineUnavailable(
             f"the Ray actor for a '{config.backend}' engine did not start within {timeout_s} s; check that the "
@@ -184,6 +184,9 @@ async def _describe(actor: Any, config: EngineConfig, timeout_s: float | None) -
         ) from None
     except RayError as exc:
         raise _translate(exc, f"ray engine '{config.backend}'") from exc
+    if "start_error" in described:
+        raise WireError.model_validate(described["start_error"]).to_exception(f"ray engine '{config.backend}'")
+    return described
 
 
 async def acreate_ray_engines(
@@ -194,14 +197,18 @@ async def acreate_ray_engines(
     placement_group: PlacementGroup | None = None,
     workers_per_engine: int = 1,
     start_timeout_s: float | None = 600.0,
+    call_timeout_s: float | None = 3600.0,
     kill_on_close: bool = True,
     **kwargs: Any,
 ) -> list[RayEngine]:
     """Start ``n`` engine actors at once (models load in parallel) and wait until all are ready.
 
-    With ``placement_group``, engine ``i`` is placed on bundle ``i * workers_per_engine``. Other
-    keyword arguments are :func:`launch_engine_actor`'s options or engine settings, as in
-    :func:`create_ray_engine`.
+    ``start_timeout_s`` bounds start-up (model load); ``call_timeout_s`` bounds every other call
+    (weight calls and ``health`` have their own bounds, see :class:`ProxyEngine`); past it the call
+    raises :class:`EngineUnavailable`. An engine that fails to start raises its own error and no
+    actor is left. With ``placement_group``, engine ``i`` is placed on bundle
+    ``i * workers_per_engine``. Other keyword arguments are :func:`launch_engine_actor`'s options or
+    engine settings, as in :func:`create_ray_engine`.
     """
     launch_keys = {"num_cpus", "num_gpus", "ray_bundle", "max_restarts", "max_task_retries",
                    "max_concurrency", "runtime_env", "actor_options", "bundle_index", "factory"}
@@ -218,7 +225,8 @@ async def acreate_ray_engines(
         for a in actors:
             ray.kill(a, no_restart=True)
         raise errors[0]
-    return [RayEngine(a, config, d, kill_on_close=kill_on_close) for a, d in zip(actors, results, strict=True)]  # type: ignore[arg-type]
+    return [RayEngine(a, config, d, kill_on_close=kill_on_close, call_timeout_s=call_timeout_s)  # type: ignore[arg-type]
+            for a, d in zip(actors, results, strict=True)]
 
 
 def create_ray_engine(backend: str | EngineConfig = "transformers", model: str | None = None, **kwargs: Any) -> RayEngine:
@@ -227,7 +235,8 @@ def create_ray_engine(backend: str | EngineConfig = "transformers", model: str |
     Actor options: ``num_cpus``, ``num_gpus`` (fractional to share a GPU with a trainer worker),
     ``placement_group`` + ``bundle_index``, ``ray_bundle`` (:class:`rollout_engines.envs.RayBundle`,
     for engines that start their own workers), ``max_restarts``, ``max_task_retries``,
-    ``runtime_env``, ``actor_options`` (any other ``ActorClass.options``). Everything else is the
+    ``runtime_env``, ``actor_options`` (any other ``ActorClass.options``); ``start_timeout_s`` and
+    ``call_timeout_s`` as for :func:`acreate_ray_engines`. Everything else is the
     engine's configuration, as for :func:`rollout_engines.create_engine`. Call it outside a running
     event loop (use :func:`acreate_ray_engines` inside one).
     """
