@@ -232,3 +232,26 @@ async def test_sglang_failed_control_calls_raise_sglang_call_failed(tiny_model):
         await runtime.api.aclose()
     finally:
         server.stop()
+
+
+def test_an_unexpected_server_error_keeps_the_keep_alive_connection():
+    """A 500 (an engine error the server did not expect) is answered and logged; the client's
+    keep-alive connection stays open for its next request (uvicorn closed it, so a request sent on
+    the pooled connection at that moment failed with no answer)."""
+    import httpx
+
+    engine = _FailingEngine(EngineConfig(backend="failing", model="m"))
+    engine.error = KeyError("no such thing")
+    server = start_thread_server(engine, api_key="k")
+    body = {"prompt_token_ids": [[1, 2]], "sampling": {"max_tokens": 2}}
+    try:
+        with httpx.Client(base_url=server.url, headers={"Authorization": "Bearer k"}, timeout=30) as client:
+            ports = []
+            for _ in range(2):
+                resp = client.post("/generate", json=body)
+                assert resp.status_code == 500 and resp.json()["error"]["type"] == "InternalError"
+                ports.append(resp.extensions["network_stream"].get_extra_info("client_addr")[1])
+            assert client.get("/health").status_code == 200
+            assert ports[0] == ports[1], "the server closed the connection after its 500"
+    finally:
+        server.stop()

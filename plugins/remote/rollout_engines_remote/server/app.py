@@ -122,9 +122,38 @@ def create_app(
     for router in routers(state, chosen):
         paths.update(route.path for route in router.routes if isinstance(route, APIRoute))
         app.include_router(router)
-    return Guard(app, api_key=api_key or None, max_body_bytes=max_body_bytes, max_bucket_bytes=max_bucket_bytes,
+    return Guard(_Answered(app), api_key=api_key or None, max_body_bytes=max_body_bytes, max_bucket_bytes=max_bucket_bytes,
                  metrics=state.metrics, allowed_hosts=hosts, max_concurrency=max_concurrency,
                  body_read_timeout_s=body_read_timeout_s, known_paths=paths)
+
+
+class _Answered:
+    """Ends an unexpected error that was already answered. Starlette answers it with the handler's
+    500 (``install_error_handlers``, which logs it) and then raises it again for the server, and
+    uvicorn then closes the connection: a client's pooled keep-alive connection breaks, and a
+    request it sends on it at that moment fails with no answer. An error raised before its answer
+    is complete still reaches the server (the answer is broken: the connection must close)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def __getattr__(self, name: str) -> Any:  # the FastAPI app's own (state, routes, ...)
+        return getattr(self.app, name)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        answered = False
+
+        async def watch(message: Any) -> None:
+            nonlocal answered
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                answered = True
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            if not answered:
+                raise
 
 
 def install_error_handlers(app: FastAPI) -> None:
