@@ -53,10 +53,12 @@ def sampling_state(params: SamplingParams, vocab: int) -> RowSampling:
         raise InvalidRequest(f"sampling.top_p={top_p!r}: must be in (0, 1]")
     if not (isinstance(min_p, int | float) and 0 <= min_p <= 1):
         raise InvalidRequest(f"sampling.min_p={min_p!r}: must be in [0, 1]")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not (top_k == -1 or top_k >= 1):
-        raise InvalidRequest(f"sampling.top_k={top_k!r}: must be -1 (disabled) or an integer >= 1")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not (top_k in (-1, 0) or top_k >= 1):
+        raise InvalidRequest(f"sampling.top_k={top_k!r}: must be -1 or 0 (disabled) or an integer >= 1")
     return RowSampling(
-        temperature=float(temperature), top_p=float(top_p), top_k=vocab if top_k == -1 else min(top_k, vocab),
+        # 0 disables top-k as -1 does (vLLM's reading; the field's validator maps 0 to -1, an
+        # unvalidated assignment does not).
+        temperature=float(temperature), top_p=float(top_p), top_k=vocab if top_k in (-1, 0) else min(top_k, vocab),
         min_p=float(min_p),
     )
 
@@ -140,18 +142,31 @@ def sample(
     return tokens, raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _splitmix64(value: int) -> int:
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
 def row_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
     """The generator of sample ``sample_index`` of a request seeded with ``seed``.
 
-    Sample 0 uses the seed itself; later samples a splitmix64-derived seed, so ``n`` samples of one
-    seeded request differ from each other yet each is reproducible.
+    Sample 0 of a seed in ``[0, 2**32)`` uses the seed itself; any other seed (negative, or with
+    bits above the 32nd) and later samples use a splitmix64-derived value, so ``n`` samples of one
+    seeded request differ from each other yet each is reproducible. The mixing matters because
+    torch's CPU generator (mt19937) keeps only the low 32 bits of what it is seeded with: seeds
+    that differ only above bit 32 (``s`` and ``s + 2**32``, or ``-1`` and ``2**63 - 1``) would
+    otherwise draw the same numbers. Distinct seeds then give distinct streams except by a hash
+    collision (chance about ``2**-32`` per pair on the CPU).
     """
-    value = seed & 0xFFFFFFFFFFFFFFFF
+    value = seed & _MASK64
     if sample_index:
-        value = (value + 0x9E3779B97F4A7C15 * sample_index) & 0xFFFFFFFFFFFFFFFF
-        value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-        value ^= value >> 31
+        value = _splitmix64((value + 0x9E3779B97F4A7C15 * sample_index) & _MASK64)
+    elif value >> 32:
+        value = _splitmix64(value ^ 0xD1B54A32D192ED03)  # its own stream, not any sample's above
     gen = torch.Generator(device=device)
-    gen.manual_seed(value & 0x7FFFFFFFFFFFFFFF)
+    gen.manual_seed(value & 0x7FFFFFFFFFFFFFFF)  # as before for every seed the mixing leaves alone
     return gen
