@@ -241,32 +241,18 @@ async def test_eos_from_generation_config_unless_ignored(tiny_model: Path, tmp_p
         await engine.close()
 
 
-async def test_close_fails_queued_requests_and_frees_the_model(engine: TransformersEngine) -> None:
+async def test_close_fails_queued_requests_and_streams_and_frees_the_model(engine: TransformersEngine) -> None:
     gate = threading.Event()
-    blocker = asyncio.ensure_future(engine._call(gate.wait))
+    blocker = asyncio.ensure_future(engine._call(gate.wait))  # holds the worker: requests stay queued
     queued = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS, sampling=greedy(4))))
-    await asyncio.sleep(0.05)
-    closing = asyncio.ensure_future(engine.close())
-    await asyncio.sleep(0.05)
-    gate.set()
-    await closing
-    await blocker
-    with pytest.raises(EngineClosed):
-        await queued
-    assert engine.hf_model is None and not engine._worker.is_alive()
-
-
-async def test_close_ends_a_queued_stream(engine: TransformersEngine) -> None:
-    gate = threading.Event()
-    blocker = asyncio.ensure_future(engine._call(gate.wait))  # holds the worker: the stream stays queued
 
     async def consume() -> list[object]:
         return [d async for d in engine.stream(GenerateRequest(prompts=PROMPTS[:1], sampling=greedy(4)))]
 
-    consumer = asyncio.ensure_future(consume())
+    streamed = asyncio.ensure_future(consume())
     deadline = time.monotonic() + 30
-    while not engine._ids:  # queued
-        assert time.monotonic() < deadline, "the stream's request was never queued"
+    while len(engine._ids) < len(PROMPTS) + 1:  # both queued
+        assert time.monotonic() < deadline, "the requests were never queued"
         await asyncio.sleep(0.005)
     closing = asyncio.ensure_future(engine.close())
     await asyncio.sleep(0.05)
@@ -274,7 +260,10 @@ async def test_close_ends_a_queued_stream(engine: TransformersEngine) -> None:
     await closing
     await blocker
     with pytest.raises(EngineClosed):
-        await asyncio.wait_for(consumer, 5)  # woken, not left waiting for rows that never come
+        await queued
+    with pytest.raises(EngineClosed):
+        await asyncio.wait_for(streamed, 5)  # woken, not left waiting for rows that never come
+    assert engine.hf_model is None and not engine._worker.is_alive()
 
 
 def test_capabilities_on_cpu(tiny_model: Path) -> None:

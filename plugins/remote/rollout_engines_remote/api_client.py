@@ -152,18 +152,14 @@ class ApiClient:
             try:
                 with httpx.Client(base_url=self.base_url, headers=self.headers, timeout=t) as c:
                     resp = c.get(path)
-            except httpx.TimeoutException as exc:
+            except httpx.TransportError as exc:  # (a timeout among them)
                 if attempt + 1 < attempts:
                     time.sleep(self._delay(attempt))
                     attempt += 1
                     continue
-                raise EngineUnavailable(f"{where}: no answer in time ({type(exc).__name__}); the server is "
-                                        "overloaded or stuck, or the timeout option is too short") from exc
-            except httpx.TransportError as exc:
-                if attempt + 1 < attempts:
-                    time.sleep(self._delay(attempt))
-                    attempt += 1
-                    continue
+                if isinstance(exc, httpx.TimeoutException):
+                    raise EngineUnavailable(f"{where}: no answer in time ({type(exc).__name__}); the server is "
+                                            "overloaded or stuck, or the timeout option is too short") from exc
                 raise EngineUnavailable(f"{where}: cannot reach the server ({exc!r}); is it running, and is the "
                                         "URL (EngineConfig.model or options['url']) right?") from exc
             if resp.status_code in RETRY_STATUS and attempt + 1 < attempts:
