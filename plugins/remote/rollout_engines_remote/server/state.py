@@ -115,3 +115,29 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     if task.done() and not task.cancelled():
         task.exception()  # retrieved, so that asyncio does not log it
     raise ClientDisconnected("the client disconnected; its generation was cancelled")
+
+
+#: Transports whose receivers join the trainer's rendezvous store at ``options.host``/``options.port``.
+STORE_TRANSPORTS = frozenset({"gloo", "nccl", "shm", "cuda_ipc", "sglang_nccl"})
+
+
+def check_store_options(spec: TransportSpec, prefix: str = "") -> None:
+    """``options.host`` and ``options.port`` usable as the trainer's store address: required for the
+    transports that join the store, checked wherever given (the receivers read them unchecked, and
+    a missing or garbled one failed deep in the engine as a 500). Raises :class:`FieldError` naming
+    ``{prefix}options.host`` or ``...port``."""
+    options = spec.options
+    for key in ("host", "port"):
+        if key not in options and spec.transport in STORE_TRANSPORTS:
+            raise FieldError(f"{prefix}options.{key}", f"the '{spec.transport}' transport joins the trainer's store at "
+                             "options.host:options.port; open the session with connect_weight_sync(), which "
+                             "sets both")
+    host = options.get("host")
+    if "host" in options and (not isinstance(host, str) or not host.strip() or len(host) > 255):
+        raise FieldError(f"{prefix}options.host", "must be the trainer's host name or IP address (a non-empty string)")
+    port = options.get("port")
+    if "port" in options:
+        value = port if isinstance(port, int) and not isinstance(port, bool) else (
+            int(port) if isinstance(port, str) and port.isascii() and port.isdigit() and len(port) <= 5 else None)
+        if value is None or not 1 <= value <= 65535:
+            raise FieldError(f"{prefix}options.port", f"must be a TCP port number, 1 to 65535 (got {str(port)[:40]!r})")

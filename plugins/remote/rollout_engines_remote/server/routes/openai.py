@@ -18,17 +18,95 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
+from pydantic import field_validator
 from rollout_engines.tokenization import chat_token_ids
-from rollout_engines.types import Completion, GenerateRequest, TokenLogprob
+from rollout_engines.types import Completion, GenerateRequest, StreamDelta, TokenLogprob
 
 from ... import openai_api as oai
 from ..sse import EventStreamResponse, event, events_of, first_item
 from ..state import ServerState
+
+#: What vLLM's OpenAI server sends for a logprob of ``-inf`` (a masked token): ``max(logprob, -9999.0)``.
+#: JSON has no ``-inf`` (it went out as ``null``, which clients that sum or sort logprobs, lm-eval and
+#: TRL's ``VLLMClient``, fail on).
+MIN_LOGPROB = -9999.0
+
+
+def _low(values: Sequence[float | None] | None) -> bool:
+    return values is not None and any(v is not None and v < MIN_LOGPROB for v in values)
+
+
+def _clamp(value: float) -> float:
+    return MIN_LOGPROB if value < MIN_LOGPROB else value
+
+
+def _clamp_tops(tops: list[list[TokenLogprob]]) -> list[list[TokenLogprob]]:
+    return [[e.model_copy(update={"logprob": MIN_LOGPROB}) if e.logprob < MIN_LOGPROB else e for e in step]
+            for step in tops]
+
+
+def _low_tops(tops: list[list[TokenLogprob]] | None) -> bool:
+    return tops is not None and any(_low([e.logprob for e in step]) for step in tops)
+
+
+def clamp_logprobs(outs: list[Completion]) -> list[Completion]:
+    """``outs`` with every logprob below :data:`MIN_LOGPROB` (``-inf``) raised to it, as vLLM answers."""
+    out = []
+    for c in outs:
+        update: dict[str, Any] = {}
+        if c.logprobs is not None and _low(c.logprobs):
+            update["logprobs"] = [_clamp(v) for v in c.logprobs]
+        if c.prompt_logprobs is not None and _low(c.prompt_logprobs):
+            update["prompt_logprobs"] = [None if v is None else _clamp(v) for v in c.prompt_logprobs]
+        if c.top_logprobs is not None and _low_tops(c.top_logprobs):
+            update["top_logprobs"] = _clamp_tops(c.top_logprobs)
+        if c.prompt_top_logprobs is not None and _low_tops(c.prompt_top_logprobs):
+            update["prompt_top_logprobs"] = _clamp_tops(c.prompt_top_logprobs)
+        out.append(c.model_copy(update=update) if update else c)
+    return out
+
+
+def clamp_delta(d: StreamDelta) -> StreamDelta:
+    """:func:`clamp_logprobs` for one streamed delta."""
+    update: dict[str, Any] = {}
+    if d.logprobs is not None and _low(d.logprobs):
+        update["logprobs"] = [_clamp(v) for v in d.logprobs]
+    if d.top_logprobs is not None and _low_tops(d.top_logprobs):
+        update["top_logprobs"] = _clamp_tops(d.top_logprobs)
+    return d.model_copy(update=update) if update else d
+
+
+class ChatRequest(oai.ChatCompletionRequest):
+    """``/v1/chat/completions``'s body. A message's ``content`` may also be a list of text parts
+    (``[{"type": "text", "text": ...}, ...]``, the OpenAI API's other form): served as their texts
+    joined by newlines, as vLLM joins them; a part of another type (an image) is refused, naming it."""
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _text_parts(cls, messages: Any) -> Any:
+        if not isinstance(messages, list):
+            return messages
+        out = []
+        for i, m in enumerate(messages):
+            parts = m.get("content") if isinstance(m, dict) else None
+            if isinstance(parts, list):
+                texts = []
+                for j, part in enumerate(parts):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind != "text" or not isinstance(part.get("text"), str):
+                        raise ValueError(f"messages.{i}.content.{j}: a content part of type {str(kind)[:40]!r} is "
+                                         "not served; this server takes text only ({'type': 'text', 'text': ...} "
+                                         "parts, or a string)")
+                    texts.append(part["text"])
+                m = {**m, "content": "\n".join(texts)}
+            out.append(m)
+        return out
+
 
 STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {200: {"description": "JSON, or with stream=true server-sent events of chunks, then "
                                          "`data: [DONE]`.",
@@ -80,7 +158,7 @@ def router(state: ServerState) -> APIRouter:
         if not streams:
             outs = await engine.generate(req)
             state.count(outs)
-            for i, c in enumerate(outs):
+            for i, c in enumerate(clamp_logprobs(outs)):
                 yield Piece(i, c.text, list(c.token_ids), c.logprobs, c.top_logprobs, c.finish_reason,
                             list(c.prompt_token_ids), first=True,
                             usage={"prompt": len(c.prompt_token_ids) if c.sample_index == 0 else 0,
@@ -104,6 +182,7 @@ def router(state: ServerState) -> APIRouter:
                     usage["prompt"] = len(prompt_ids or ()) if d.sample_index == 0 else 0
                 if d.finish_reason is not None:
                     state.metrics.completions.labels(d.finish_reason).inc()
+                d = clamp_delta(d)
                 yield Piece(index, text, list(d.token_ids), d.logprobs, d.top_logprobs, d.finish_reason,
                             prompt_ids, first=first, usage=usage)
         finally:
@@ -152,7 +231,7 @@ def router(state: ServerState) -> APIRouter:
         if body.stream:
             first, source = await start(req, request)
             return EventStreamResponse(events_of(completion_chunks(body, model, first, source)))
-        outs = await state.generate(req, request)
+        outs = clamp_logprobs(await state.generate(req, request))
         limits = state.get_limits()
         return oai.completion_response(outs, model, body, body.token_names(limits.decode_token), prompt_text(body))
 
@@ -187,12 +266,12 @@ def router(state: ServerState) -> APIRouter:
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
     @r.post("/v1/chat/completions", response_model=oai.ChatCompletionResponse, responses=STREAM_RESPONSES)
-    async def chat_completions(body: oai.ChatCompletionRequest, request: Request) -> Any:
+    async def chat_completions(body: ChatRequest, request: Request) -> Any:
         req, model = core_request(body)
         if body.stream:
             first, source = await start(req, request)
             return EventStreamResponse(events_of(chat_chunks(body, model, first, source)))
-        outs = await state.generate(req, request)
+        outs = clamp_logprobs(await state.generate(req, request))
         return oai.chat_response(outs, model, body, body.token_names(state.get_limits().decode_token))
 
     async def chat_chunks(body: oai.ChatCompletionRequest, model: str, first: Piece | None,

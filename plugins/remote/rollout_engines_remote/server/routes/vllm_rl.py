@@ -79,7 +79,7 @@ from rollout_engines.weights.manifest import (
 
 from ..errors import Conflict, FieldError
 from ..sse import EventStreamResponse, event, events_of, first_item
-from ..state import ServerState, confine_disk_spec
+from ..state import ServerState, check_store_options, confine_disk_spec
 
 PauseModeQ = Literal["abort", "wait", "keep"]
 #: vLLM weight-transfer backend names -> our transports (any other name of a transport passes as is).
@@ -523,6 +523,7 @@ def _make_router(state: ServerState) -> APIRouter:
                 spec = TransportSpec(transport=backend, timeout_s=info.timeout_s, **(info.model_extra or {}))
                 if backend == "disk":
                     spec = confine_disk_spec(spec, state.weights_root)
+                check_store_options(spec, prefix="init_info.")
             state.init_started = time.monotonic()
             try:
                 if backend == "http":

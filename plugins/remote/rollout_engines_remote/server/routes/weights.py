@@ -11,7 +11,7 @@ from rollout_engines.weights.manifest import TransportSpec, WeightManifest
 from ...protocol import AbortBody, OkBody, VersionBody
 from ..errors import Conflict, FieldError
 from ..frames import read_bucket_frame
-from ..state import ServerState, confine_disk_spec
+from ..state import ServerState, check_store_options, confine_disk_spec
 
 BUCKET_BODY = {"requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
                                "required": True}}
@@ -36,6 +36,7 @@ def router(state: ServerState) -> APIRouter:
                            "ends within its spec's timeout_s")
         if body.transport == "disk":
             body = confine_disk_spec(body, state.weights_root)
+        check_store_options(body)
         state.init_started = time.monotonic()
         try:
             if body.transport == "http":
