@@ -104,6 +104,7 @@ def test_inproc_push_is_atomic_on_rejection_and_next_push_works() -> None:
 
         async def go() -> None:
             async def send() -> None:
+                sender.begin(m)
                 for b in m.buckets:
                     buf = pack_bucket(m, b.index, tensors, alloc_bucket(b.nbytes))
                     await asyncio.to_thread(sender.send_bucket, BucketHeader(index=b.index, nbytes=b.nbytes, checksum=checksum(buf)), buf)
@@ -136,6 +137,7 @@ def test_sender_abort_reaches_receiver() -> None:
     sender = InprocSender(session_id="t2", world_size=2, timeout_s=5, options={})
     sender.connect()
     m = plan_manifest(specs_of(list(model.state_dict().items())), version=1, bucket_bytes=256)
+    sender.begin(m)
     sender.abort("trainer crashed")
     with pytest.raises(WeightSyncError, match="the sender aborted update v1: trainer crashed; peer: trainer"):
         receiver.receive(m)

@@ -377,17 +377,24 @@ class HttpIngress:
             join.cancel()
             sender.cancel("the /weights/init request was cancelled")
             await asyncio.wait({connect, join})
-            _relay_sessions.discard(local_id)
-            await asyncio.to_thread(sender.close)
+            await self._undo_open(local_id, sender, join)
             raise
         # The engine's refusal says why; the relay's wait it cancelled does not.
         errors = [e for e in (join.exception(), connect.exception()) if e is not None]
         if errors:
-            _relay_sessions.discard(local_id)
-            await asyncio.to_thread(sender.close)
+            await self._undo_open(local_id, sender, join)
             raise errors[0]
         self.session = _Session(spec=spec, local=local, sender=sender)
         logger.info("http weight session %s relays through '%s'", spec.session_id, local)
+
+    async def _undo_open(self, local_id: str, sender: TransportSender, join: asyncio.Future[None]) -> None:
+        """A relay that did not open: the engine leaves its side if it joined, the relay closes."""
+        _relay_sessions.discard(local_id)
+        try:
+            if not join.cancelled() and join.exception() is None:
+                await self.engine.close_weight_transfer()
+        finally:
+            await asyncio.to_thread(sender.close)
 
     def _session(self, session_id: str | None = None) -> _Session:
         s = self.session
@@ -400,11 +407,17 @@ class HttpIngress:
         async with s.cond:
             if not s.done:
                 raise WeightSyncError("another update is in progress on this server; wait for it to finish")
-            s.manifest, s.next_index, s.failed, s.done = manifest, 0, None, False
-            s.cond.notify_all()
+            # Taken, but no bucket is fed before the relay began this update (the relay's queues
+            # tag each bucket with its update: one fed first would go out as the last update's).
+            s.manifest, s.done = None, False
         local_manifest = manifest.model_copy(update={"transport": s.local})
         try:
-            await asyncio.to_thread(s.sender.begin, local_manifest)
+            try:
+                await asyncio.to_thread(s.sender.begin, local_manifest)
+            finally:
+                async with s.cond:
+                    s.manifest, s.next_index, s.failed = manifest, 0, None
+                    s.cond.notify_all()
             version = await self.engine.receive_weights(local_manifest)
             await asyncio.to_thread(s.sender.end, local_manifest)
             return version

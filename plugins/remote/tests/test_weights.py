@@ -206,3 +206,34 @@ async def test_http_endpoints_keep_the_api_key_out_of_repr(remote, remote_option
         assert endpoints and endpoints[0].url == remote.url
         assert remote_options["api_key"] not in repr(endpoints)
         assert endpoints[0].headers["authorization"] == f"Bearer {remote_options['api_key']}"
+
+
+async def test_a_bucket_fed_while_the_relay_begins_its_update_lands(tiny_model, original, monkeypatch):
+    """The server relays each update's buckets into the engine through queues that tag them with
+    their update: a bucket fed before the relay began its update went out as the previous update's
+    and the engine dropped it (the update then waited out its timeout). The relay's start is slowed
+    here (a fake delay, to open the window a busy server opens by chance)."""
+    from rollout_engines.weights.buckets import alloc_bucket, pack_bucket
+    from rollout_engines.weights.manifest import TransportSpec, plan_manifest
+    from rollout_engines_remote.transport import HttpIngress, _RelaySender
+
+    engine = roe.create_engine("transformers", model=str(tiny_model))
+    ingress = HttpIngress(engine)
+    await ingress.open(TransportSpec(transport="http", session_id="relay-begins", timeout_s=10))
+    begin = _RelaySender.begin
+
+    def slow_begin(self, manifest):  # type: ignore[no-untyped-def]
+        time.sleep(0.3)
+        begin(self, manifest)
+
+    monkeypatch.setattr(_RelaySender, "begin", slow_begin)
+    try:
+        new = perturbed(original, seed=5)
+        manifest = plan_manifest(specs_of(list(new.items())), version=1, bucket_bytes=1 << 16, transport="http")
+        buckets = {b.index: pack_bucket(manifest, b.index, new, alloc_bucket(b.nbytes)) for b in manifest.buckets}
+        assert len(buckets) > 1
+        assert await asyncio.wait_for(ingress.push(manifest, buckets.__getitem__), 30) == 1
+        assert engine.weight_version == 1
+    finally:
+        await ingress.close()
+        await engine.close()
