@@ -36,7 +36,8 @@ def router(state: ServerState) -> APIRouter:
                            "ends within its spec's timeout_s")
         if body.transport == "disk":
             body = confine_disk_spec(body, state.weights_root)
-        check_store_options(body)
+        if body.transport in engine.capabilities.transports:  # else the engine's refusal says why
+            check_store_options(body)
         state.init_started = time.monotonic()
         try:
             if body.transport == "http":
