@@ -170,6 +170,7 @@ class _Gate:
     def __init__(self) -> None:
         self._open = True
         self._waiters: list[asyncio.Future[None]] = []
+        self._lock = threading.Lock()  # loops on other threads may wait and open at once
 
     def is_set(self) -> bool:
         return self._open
@@ -178,23 +179,44 @@ class _Gate:
         self._open = False
 
     def set(self) -> None:
-        self._open = True
-        waiters, self._waiters = self._waiters, []
+        with self._lock:
+            self._open = True
+            waiters, self._waiters = self._waiters, []
         for future in waiters:
             loop = future.get_loop()
             if not loop.is_closed():
                 loop.call_soon_threadsafe(_release, future)
 
     async def wait(self) -> None:
-        if self._open:
-            return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(future)
+        with self._lock:
+            if self._open:
+                return
+            self._waiters.append(future)
         try:
             await future
         finally:
-            if future in self._waiters:
-                self._waiters.remove(future)
+            with self._lock:
+                if future in self._waiters:
+                    self._waiters.remove(future)
+
+
+async def abort_repeatedly(
+    abort: Callable[[list[str]], Awaitable[None]], ids: list[str], what: str, for_s: float | None = None,
+) -> None:
+    """``abort(ids)`` now and again, more and more slowly (up to every 50 ms), until cancelled (the
+    request ended) or ``for_s`` passed: an engine takes a request a moment after its call started
+    (in another process, or on another thread), and an abort of an id it does not know yet is a
+    no-op. An abort that fails ends the repeats (logged as ``what``)."""
+    delay, deadline = 0.0, None if for_s is None else time.monotonic() + for_s
+    while deadline is None or time.monotonic() < deadline:
+        await asyncio.sleep(delay)
+        try:
+            await abort(ids)
+        except Exception as exc:
+            logger.debug("abort of %s (%s) failed: %r", ids, what, exc)
+            return
+        delay = min(0.05, delay * 2 or 0.002)
 
 
 def _release(future: asyncio.Future[None]) -> None:
@@ -402,7 +424,7 @@ class Engine(EngineProtocol):
         return aborted
 
     #: How long the ids of a request aborted while a pause held it are aborted again and again
-    #: until the backend knows them (it takes a request within milliseconds of its start).
+    #: until the backend knows them (see :func:`abort_repeatedly`).
     ABORT_RETRY_S: ClassVar[float] = 2.0
 
     @contextlib.asynccontextmanager
@@ -413,18 +435,9 @@ class Engine(EngineProtocol):
             yield
             return
 
-        async def abort_until_ended() -> None:
-            delay, deadline = 0.0, time.monotonic() + self.ABORT_RETRY_S
-            while time.monotonic() < deadline:
-                await asyncio.sleep(delay)
-                try:
-                    await self._abort(list(aborted))
-                except Exception as exc:
-                    logger.debug("abort of %s (held while paused) failed: %r", sorted(aborted), exc)
-                    return
-                delay = min(0.05, delay * 2 or 0.002)
-
-        task = asyncio.ensure_future(abort_until_ended())
+        task = asyncio.ensure_future(
+            abort_repeatedly(self._abort, sorted(aborted), "held while paused", for_s=self.ABORT_RETRY_S)
+        )
         try:
             yield
         finally:
@@ -505,7 +518,7 @@ class Engine(EngineProtocol):
         """:meth:`abort` every running request, and every request a pause holds."""
         require(self.capabilities, "abort", self.backend_name, "abort requests")
         self._check_not_closed()
-        for rid in self._gated:
+        for rid in list(self._gated):
             self._gated[rid] = True
         await self._abort(None)
 

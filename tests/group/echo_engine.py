@@ -243,6 +243,12 @@ class AbortableEcho(EchoEngine):
             for i, p in enumerate(prompts)
         ]
 
+    def release(self) -> None:
+        """End every running request now, as if its ``delay_s`` had passed (not aborted)."""
+        for ended in list(self._inflight):
+            if not ended.done():
+                ended.set_result(None)
+
     async def _abort(self, request_ids: Sequence[str] | None) -> None:
         self._alive()
         for rid in list(self._running) if request_ids is None else request_ids:

@@ -77,7 +77,7 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
 
-from ..engine import EngineProtocol
+from ..engine import EngineProtocol, abort_repeatedly
 from ..errors import (
     CapabilityError,
     EngineUnavailable,
@@ -359,17 +359,8 @@ class EngineGroup(_Router):
         return asyncio.get_running_loop().create_task(self._abort_on(member, doomed))
 
     async def _abort_on(self, member: _Member, ids: list[str]) -> None:
-        # The engine may take a moment to register the request (an engine in another process):
-        # an abort of an id it does not know yet is a no-op, so repeat until the request ended.
-        delay = 0.0
-        while True:
-            await asyncio.sleep(delay)
-            try:
-                await member.engine.abort(ids)
-            except Exception as exc:
-                logger.debug("engine group: abort on member %d failed: %r", member.index, exc)
-                return
-            delay = min(0.05, delay * 2 or 0.002)
+        # Repeated until the request ended (the caller cancels this): see abort_repeatedly.
+        await abort_repeatedly(member.engine.abort, ids, f"engine group member {member.index}")
 
     def _leave(self, ids: Sequence[str]) -> None:
         owners, doomed = self._owners, self._abort_on_arrival
@@ -418,8 +409,9 @@ class EngineGroup(_Router):
     def _take_eviction(self, task: asyncio.Task[Any]) -> bool:
         """Withdraw the group's cancellation of ``task`` (its member went down); False if the
         group had not cancelled it, or if the caller cancelled it as well (then the cancellation is
-        the caller's: the request ends, it is not retried). The engine may have turned the
-        cancellation into another error."""
+        the caller's: the request ends, it is not retried; Python 3.10 does not count cancellations,
+        so there such a request is retried). The engine may have turned the cancellation into
+        another error."""
         if task not in self._evicted:
             return False
         self._evicted.discard(task)

@@ -381,21 +381,22 @@ class _Membership(Engine):
     async def _apply_group_state(self, m: _Member) -> None:
         """Bring a member in line with the group's state, both ways: asleep and paused like the
         others, and woken and resumed if it missed the group's wake-up or resume while it was down.
-        Under the state lock, so no fan-out of the group changes that state meanwhile; both waits
-        are bounded by ``health_timeout_s`` (a rejoin that times out is tried again at the next
-        check)."""
-        await asyncio.wait_for(self._state_lock.acquire(), self.health_timeout_s)
+        Under the state lock, so no fan-out of the group changes that state meanwhile; every wait
+        (the lock, and each call to the member) is bounded by ``health_timeout_s`` (a rejoin that
+        times out is tried again at the next check)."""
+        bound = self.health_timeout_s
+        await asyncio.wait_for(self._state_lock.acquire(), bound)
         try:
-            info = await asyncio.wait_for(m.engine.info(), self.health_timeout_s)
+            info = await asyncio.wait_for(m.engine.info(), bound)
             level, tags = self._sleep_state if self._sleep_state is not None else (1, [])
             if awake := [t for t in info.asleep if t not in tags]:
-                await m.engine.wake_up(awake)
+                await asyncio.wait_for(m.engine.wake_up(awake), bound)
             if to_sleep := [t for t in tags if t not in info.asleep]:
-                await m.engine.sleep(level, to_sleep)
+                await asyncio.wait_for(m.engine.sleep(level, to_sleep), bound)
             if self._paused and not info.paused:
-                await m.engine.pause(self._pause_mode or "wait")
+                await asyncio.wait_for(m.engine.pause(self._pause_mode or "wait"), bound)
             elif info.paused and not self._paused:
-                await m.engine.resume()
+                await asyncio.wait_for(m.engine.resume(), bound)
         finally:
             self._state_lock.release()
 
