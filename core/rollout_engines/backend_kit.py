@@ -167,7 +167,7 @@ def _check_vocabulary(what: str, ids: Sequence[int], vocab_size: int) -> None:
         )
 
 
-# ---- finish reasons ---------------------------------------------------------------------------------
+# ---- options handed on to an engine library ---------------------------------------------------------
 def check_passed_options(
     extra: Mapping[str, Any], target: type | None, *, library: str, own: Iterable[str],
     set_here: Mapping[str, str],
@@ -189,6 +189,7 @@ def check_passed_options(
             raise ValueError(f"unknown option {key!r}: neither an option of this backend nor a {library} argument{hint}")
 
 
+# ---- finish reasons ---------------------------------------------------------------------------------
 def finish_reason(reason: Any) -> FinishReason:
     """An engine library's finish reason as the core's: ``"stop"``, ``"length"`` and ``"abort"``
     pass through (also as SGLang's ``{"type": ...}`` dicts); anything else (None, ``"error"``, a

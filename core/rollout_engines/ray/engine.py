@@ -130,7 +130,7 @@ class RayEngine(ProxyEngine):
 
 
 def _config_of(backend: str | EngineConfig, model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
-    """(A model path every Ray node can read.)"""
+    """The engine's config (``model``: a path every Ray node can read)."""
     return engine_config(backend, model, kwargs, caller="create_ray_engine")
 
 

@@ -123,21 +123,22 @@ class ApiClient:
             return self._result(resp, where, raw)
 
     @staticmethod
-    def _result(resp: httpx.Response, where: str, raw: bool) -> Any:
-        if resp.status_code >= 400:
-            try:
-                payload: Any = resp.json()
-            except ValueError:
-                payload = resp.text
-            raise error_from_payload(resp.status_code, payload, where)
-        if raw:
-            return resp
-        if not resp.content:
-            return None
+    def decoded(resp: httpx.Response) -> Any:
+        """The answer's body: its JSON, else its text."""
         try:
             return resp.json()
         except ValueError:
             return resp.text
+
+    @staticmethod
+    def _result(resp: httpx.Response, where: str, raw: bool) -> Any:
+        if resp.status_code >= 400:
+            raise error_from_payload(resp.status_code, ApiClient.decoded(resp), where)
+        if raw:
+            return resp
+        if not resp.content:
+            return None
+        return ApiClient.decoded(resp)
 
     def get_sync(self, path: str, *, timeout: float | None = None) -> Any:
         """A blocking, retried GET (used while an engine is constructed, outside any event loop);

@@ -76,7 +76,7 @@ class _OpenAIRequest(BaseModel):
         if max_tokens == 0 or (max_tokens is None and self.max_tokens == 0):
             raise FieldError("max_tokens", "must be at least 1 (0 only with echo=true on /v1/completions)")
         return SamplingParams(
-            # top_k 0 disables top-k in vLLM's API (TRL's client sends it); the core spells that -1.
+            # top_k 0 disables top-k, as in vLLM's API (TRL's client sends it): SamplingParams reads it so.
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             max_tokens=max_tokens or self.max_tokens or 16,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],

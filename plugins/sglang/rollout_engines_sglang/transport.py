@@ -119,8 +119,8 @@ class SglangNcclSender(TransportSender):
             raise WeightSyncError("sglang_nccl needs a CUDA device in the trainer; use 'disk' without one")
         dev = self.options.get("device")
         self._device = torch.device(dev) if dev is not None else torch.device("cuda", torch.cuda.current_device())
-        self._store, spec = _store.host_store(self.options, timeout_s)
-        self._kv = _store.session_store(self._store, session_id, spec["secret"])
+        store, spec = _store.host_store(self.options, timeout_s)
+        self._kv = _store.session_store(store, session_id, spec["secret"])  # the only hold on the store
         host = str(self.options.get("host", _store.DEFAULT_HOST))
         self._spec = {
             **spec,
@@ -202,6 +202,7 @@ class SglangNcclSender(TransportSender):
             except Exception:  # a group of a failed session may not shut down cleanly
                 logger.debug("destroying the sglang_nccl group failed", exc_info=True)
             self._pg = None
+        self._kv.close()  # nothing listens for a closed session
 
 
 class SglangNcclControl:

@@ -358,7 +358,8 @@ class DiskSender(TransportSender):
     def _prune(self) -> None:
         # Two windows, newest first by when the update completed: the newest ``keep`` full updates
         # (what load_latest recovers from: a run of deltas never pushes its base out) and the newest
-        # ``keep`` updates of any kind. The update just written is in both; the rest are deleted.
+        # ``keep`` updates of any kind, each window counting the update just written (not listed
+        # here); the rest are deleted.
         complete: list[tuple[int, bool, Path]] = []
         aborted: list[Path] = []
         for d in self._updates():

@@ -39,7 +39,6 @@ from rollout_engines.errors import BackendNotInstalled, CapabilityError, EngineU
 from rollout_engines.types import Completion, EngineConfig, GenerateRequest
 
 from ..api_client import ApiClient
-from ..protocol import error_from_payload
 from .base import ServerAdapter
 
 #: Transports a remote SGLang server receives over (see the module docstring).
@@ -83,13 +82,9 @@ class HttpSglangRuntime:
         # (http_server.py: update_weights_from_disk, init_weights_update_group, ...): that is
         # SglangCallFailed, as in-process; any other 400 (a malformed request) stays typed as usual.
         resp = await self.api.request("POST", path, json=body, timeout=timeout, pass_status=(400,))
-        if isinstance(resp, httpx.Response):
-            try:
-                payload: Any = resp.json()
-            except ValueError:
-                payload = resp.text
-            _check(payload, what)
-            raise error_from_payload(resp.status_code, payload, f"POST {self.api.base_url}{path}")
+        if isinstance(resp, httpx.Response):  # a 400
+            _check(ApiClient.decoded(resp), what)
+            return ApiClient._result(resp, f"POST {self.api.base_url}{path}", False)  # raises, typed
         _check(resp, what)
         return resp
 
