@@ -49,6 +49,8 @@ TESTS_DIR = str(Path(__file__).resolve().parent)
 API_KEY = "proxy-test-key"
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=3)
 REQUEST = GenerateRequest(prompt_token_ids=[[5, 7]], sampling=SAMPLING)
+#: A gloo session as the trainer names it (the recording engines join nothing; a server checks the address).
+GLOO_SPEC = TransportSpec(transport="gloo", session_id="s1", options={"host": "127.0.0.1", "port": 29500})
 CHAT = GenerateRequest(messages=[[ChatMessage(role="user", content="hi")]], sampling=SAMPLING)
 KINDS = ("process", "ray", "remote", "adapter")
 
@@ -204,7 +206,7 @@ CALLS: dict[str, Callable[[EngineProtocol], Awaitable[None]]] = {
     "reset_prefix_cache": lambda e: e.reset_prefix_cache(),
     "pause": lambda e: e.pause("keep"),
     "resume": lambda e: e.resume(),
-    "init_weight_transfer": lambda e: e.init_weight_transfer(TransportSpec(transport="gloo", session_id="s1")),
+    "init_weight_transfer": lambda e: e.init_weight_transfer(GLOO_SPEC),
     "receive_weights": _receive,
     "close_weight_transfer": lambda e: e.close_weight_transfer(),
     "unload_lora": _unload_lora,
@@ -257,7 +259,7 @@ async def test_the_far_engine_keeps_the_rules_and_resets_its_cache_once(proxy):
     with pytest.raises(EngineAsleep):  # checked by the far engine, raised here as itself
         await engine.generate(REQUEST)
     await engine.wake_up()
-    await engine.init_weight_transfer(TransportSpec(transport="gloo", session_id="s1"))
+    await engine.init_weight_transfer(GLOO_SPEC)
     await engine.receive_weights(manifest(1))
     # One reset after the wake-up and one after the update: the far engine's rule, never repeated here.
     assert (await engine.info()).extra["cache_resets"] == resets + 2
@@ -265,7 +267,7 @@ async def test_the_far_engine_keeps_the_rules_and_resets_its_cache_once(proxy):
 
 async def test_errors_cross_as_the_same_types(proxy):
     kind, engine, _ = proxy
-    await engine.init_weight_transfer(TransportSpec(transport="gloo", session_id="s1"))
+    await engine.init_weight_transfer(GLOO_SPEC)
     await engine.receive_weights(manifest(1))
     with pytest.raises(StaleVersion, match="versions must increase"):
         await engine.receive_weights(manifest(1))

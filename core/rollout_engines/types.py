@@ -380,12 +380,20 @@ class GenerateRequest(_Model):
         return 0
 
 
-class TokenLogprob(_Model):
+class _Output(_Model):
+    """An engine's output. Its logprobs may be ``-inf`` (a token an engine's processed logprobs
+    masked): as JSON text it keeps ``-Infinity`` (Python's ``json`` and pydantic read it back), not
+    ``null``, which no float field accepts (a served engine's output would not parse)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False, ser_json_inf_nan="constants")
+
+
+class TokenLogprob(_Output):
     token_id: int
     logprob: float
 
 
-class Completion(_Model):
+class Completion(_Output):
     """One sampled continuation. A request of B prompts with ``n`` samples gives B*n of these,
     ordered prompt-major (all samples of prompt 0 first)."""
 
@@ -416,7 +424,7 @@ class Completion(_Model):
         return [self.weight_version] * len(self.token_ids)
 
 
-class StreamDelta(_Model):
+class StreamDelta(_Output):
     """What ``Engine.stream`` yields: new tokens of one prompt x sample since its last delta."""
 
     request_id: str

@@ -185,3 +185,22 @@ def test_chat_content_parts_are_served_as_their_text(thread_server):
         error = r.json()["error"]
         assert error["type"] == "ValidationError" and error["param"] == "messages", error
         assert "messages.0.content.1" in error["message"], error
+
+
+async def test_minus_inf_logprobs_reach_the_remote_client_as_minus_inf(masked):
+    """The native routes keep ``-inf`` as JSON's ``-Infinity`` (Python's json and pydantic read it),
+    so an engine behind the server gives our client what it gives in-process (it was ``null``,
+    which the client's float fields refused: the call failed)."""
+    import rollout_engines as roe
+
+    remote = roe.create_engine("remote", model=masked.url, api_key=masked.api_key)
+    try:
+        request = roe.GenerateRequest(prompt_token_ids=[[5, 6, 7]],
+                                      sampling=roe.SamplingParams(max_tokens=2, logprobs=0, top_logprobs=2))
+        [out] = await remote.generate(request)
+        assert out.logprobs is not None and out.logprobs[0] == -math.inf
+        assert out.top_logprobs is not None and out.top_logprobs[0][0].logprob == -math.inf
+        deltas = [d async for d in remote.stream(request)]
+        assert deltas[0].logprobs is not None and deltas[0].logprobs[0] == -math.inf
+    finally:
+        await remote.close()
