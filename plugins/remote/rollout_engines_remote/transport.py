@@ -275,16 +275,6 @@ class _RelaySender(InprocSender):
         super().__init__(**kwargs)
         self.cancelled = threading.Event()
 
-    def connect(self) -> None:
-        # InprocSender.connect in short waits: an engine that refuses to join cancels it
-        # (HttpIngress.open), so /weights/init answers its refusal at once, not after timeout_s.
-        deadline = time.monotonic() + self.timeout_s
-        while len(self._queues()) < self.world_size - 1:
-            self.raise_if_cancelled()
-            if time.monotonic() > deadline:
-                raise WeightSyncError("relay: the served engine's receivers did not join in time", peer="engine")
-            time.sleep(0.01)
-
     def send_bucket(self, header: BucketHeader, buf: torch.Tensor) -> None:
         deadline = time.monotonic() + self.timeout_s
         for rank, q in self._queues().items():

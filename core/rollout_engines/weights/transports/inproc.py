@@ -33,10 +33,11 @@ class InprocSender(TransportSender):
         deadline = time.monotonic() + self.timeout_s
         with _lock:
             while len(_sessions.get(self.session_id, {})) < self.world_size - 1:
+                self.raise_if_cancelled()  # an engine refused to join (cancel does not notify)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WeightSyncError("inproc: receivers did not join in time", peer="engine")
-                _lock.wait(left)
+                _lock.wait(min(left, _CHECK_S))
 
     _token = ""
 

@@ -116,7 +116,7 @@ class ShmReceiver(SlotReceiver):
         # A killed trainer cannot unlink its segments; they are numbered 1, 2, ..., so remove every
         # one up to the highest any log named (also in an earlier, aborted update, whose slots we
         # closed already) and the two it may have packed into before publishing them; where
-        # segments are listed (Linux), any other of this session too.
+        # segments are listed (Linux), any other named for this weight sync too.
         sid = self.spec.session_id
         top = max([self.highest_slot, *(slot_number(n) for n in names)])
         doomed = {slot_name(sid, n) for n in range(1, top + 3)}
