@@ -10,7 +10,7 @@ hundred allocations and ~30 GB, and the driver's work on them is most of a refit
 ``ctypes`` releases the GIL around each foreign call, so the threads' driver calls overlap as far
 as the driver lets them. It writes each new handle where vLLM's extension keeps it (the handle
 pointer of vLLM's allocation tuple), so vLLM's own ``sleep`` and ``free`` later release exactly
-what was created here. :func:`parallel_wake` wraps a ``CuMemAllocator``'s ``wake_up`` with it
+what was created here. :func:`threaded_wake` wraps a ``CuMemAllocator``'s ``wake_up`` with it
 (allocations that come back from a CPU backup, i.e. a level-1 sleep's weights, still go through
 vLLM's own path: their copy dominates, not the mapping).
 
@@ -199,7 +199,7 @@ def map_allocations(allocations: Sequence[Allocation], threads: int, *, drv: Dri
         raise errors[0]  # type: ignore[misc]
 
 
-def parallel_wake(allocator: Any, threads: int) -> None:
+def threaded_wake(allocator: Any, threads: int, *, drv: Driver | None = None) -> None:
     """Make ``allocator.wake_up`` (a vLLM ``CuMemAllocator``) map the allocations that come back
     empty (asleep, of a woken tag, no CPU backup) in ``threads`` threads, then run vLLM's own
     ``wake_up`` for the rest (CPU backups, tags vLLM always wakes, its bookkeeping) with the ones
@@ -221,7 +221,7 @@ def parallel_wake(allocator: Any, threads: int) -> None:
             woken[allocation[2]] = empty[allocation]
 
         try:
-            map_allocations(list(empty), threads, done=mark)
+            map_allocations(list(empty), threads, drv=drv, done=mark)
         except CudaDriverError as exc:  # vLLM's own wake-up below maps what is left, or fails as it would
             logger.warning("threaded wake-up stopped (%s); vLLM's wake_up maps the rest", exc)
         for ptr in woken:
