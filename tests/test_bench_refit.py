@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = [pytest.mark.transformers, pytest.mark.timeout(300)]
 
-PHASES = ("sleep", "wake_weights", "push", "wake_kv", "first_token", "refit")
+PHASES = ("sleep", "wake_weights", "push", "wake_kv", "push_and_kv", "first_token", "refit")
 
 
 def _bench(*extra):
@@ -30,6 +30,8 @@ def test_bench_refit_cli(tiny_model):
         assert all(v >= 0 for v in result[key].values())
     med = result["median_s"]
     assert med["refit"] == pytest.approx(med["wake_weights"] + med["push"] + med["wake_kv"], abs=1e-5)
+    assert med["push_and_kv"] == pytest.approx(med["push"] + med["wake_kv"], abs=1e-5)
+    assert result["overlap_kv"] is False
     assert result["bytes"] > 0 and result["push_gbps"] > 0
     phases = result["push_phases_median_s"]  # the engine's own account of each cycle's push
     assert phases["push"] == pytest.approx(med["push"], abs=1e-5) and 0 < phases["worker_total"] <= phases["push"]
@@ -44,6 +46,19 @@ def test_bench_refit_from_one_set_of_tensors(tiny_model):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["trainer_sets"] == 1
     assert result["verified"] is True and result["pushes_verified"] == [True, True, True, True]
+
+
+def test_bench_refit_overlapping_the_kv_wake_up(tiny_model):
+    """``--overlap-kv``: the KV cache wakes while the push runs; every push still lands (verified),
+    and the pair's time covers each call's own."""
+    proc = _bench("--model", str(tiny_model), "--cycles", "2", "--overlap-kv")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["overlap_kv"] is True
+    assert result["verified"] is True and result["pushes_verified"] == [True, True]
+    med = result["median_s"]
+    assert med["refit"] == pytest.approx(med["wake_weights"] + med["push_and_kv"], abs=1e-5)
+    assert med["push_and_kv"] >= max(med["push"], med["wake_kv"]) - 1e-5
 
 
 def test_bench_refit_unsupported_level(tiny_model):
