@@ -1,14 +1,18 @@
 """What a level-2 wake-up of a model's weights costs in CUDA driver calls, one thread against many.
 
 vLLM's sleep mode gives every weight allocation its memory back with ``cuMemCreate`` +
-``cuMemMap`` + ``cuMemSetAccess`` (``rollout_engines_vllm.vmm``), one allocation after another.
+``cuMemMap`` + ``cuMemSetAccess`` (its ``CuMemAllocator``, a C extension that holds Python's GIL),
+one allocation after another. The same driver calls are made here through ``ctypes``, which lets
+go of the GIL during each call, so threads can overlap them as far as the driver lets them.
 This reserves the address ranges of a model shape's allocations as vLLM's loader makes them (fused
 ``qkv_proj`` / ``gate_up_proj``, one allocation per large tensor, sizes rounded to the 2 MiB
 granularity), then times, over ``--repeats`` rounds each: mapping them all in one thread (vLLM's
 way), each driver call's share of that, and mapping them in 2, 4, 8 and 16 threads; and releasing
-them (a sleep's work). Needs a CUDA GPU; prints one JSON line.
+them (a sleep's work). ``--delays`` then times the single-thread mapping again after waiting
+that many seconds after the last release (does the driver finish something in the background?).
+Needs a CUDA GPU; prints one JSON line.
 
-    PYTHONPATH=plugins/vllm python benchmarks/vmm_wake.py --shape qwen3-14b
+    python benchmarks/vmm_wake.py --shape qwen3-14b
 """
 
 from __future__ import annotations
@@ -17,7 +21,174 @@ import argparse
 import ctypes
 import json
 import statistics
+import threading
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+#: vLLM's allocation tuple (CUDA): (device, size, device pointer, address of the handle slot).
+Allocation = tuple[int, int, int, int]
+
+_PINNED = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
+_DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
+_READ_WRITE = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _AllocationProp(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
+
+
+class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed (the driver's error name and text in the message)."""
+
+
+class Driver:
+    """The few CUDA driver calls this module makes, on ``libcuda.so.1``."""
+
+    def __init__(self, library: str = "libcuda.so.1") -> None:
+        lib = ctypes.CDLL(library)
+        u64, size_t, vp = ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_void_p
+        signatures: dict[str, list[Any]] = {
+            "cuCtxGetCurrent": [ctypes.POINTER(vp)],
+            "cuCtxSetCurrent": [vp],
+            "cuMemCreate": [ctypes.POINTER(u64), size_t, ctypes.POINTER(_AllocationProp), u64],
+            "cuMemMap": [u64, size_t, size_t, u64, u64],
+            "cuMemSetAccess": [u64, size_t, ctypes.POINTER(_AccessDesc), size_t],
+            "cuMemUnmap": [u64, size_t],
+            "cuMemRelease": [u64],
+            "cuMemAddressReserve": [ctypes.POINTER(u64), size_t, size_t, u64, u64],
+            "cuMemAddressFree": [u64, size_t],
+            "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+        }
+        for name, args in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+            setattr(self, "_" + name, fn)
+
+    def check(self, result: int, what: str) -> None:
+        if result != 0:
+            text = ctypes.c_char_p()
+            self._cuGetErrorString(result, ctypes.byref(text))  # type: ignore[attr-defined]
+            raise CudaDriverError(f"{what} failed: CUDA error {result} ({(text.value or b'?').decode()})")
+
+    def current_context(self) -> int:
+        ctx = ctypes.c_void_p()
+        self.check(self._cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")  # type: ignore[attr-defined]
+        if not ctx.value:
+            raise CudaDriverError("no CUDA context is current in this thread (initialize the device first)")
+        return int(ctx.value)
+
+    def set_context(self, ctx: int) -> None:
+        self.check(self._cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")  # type: ignore[attr-defined]
+
+    def create(self, device: int, size: int, handle_slot: int) -> None:
+        prop = _AllocationProp(type=_PINNED, location=_Location(_DEVICE, device))  # compression none
+        slot = ctypes.cast(ctypes.c_void_p(handle_slot), ctypes.POINTER(ctypes.c_ulonglong))
+        self.check(self._cuMemCreate(slot, size, ctypes.byref(prop), 0), "cuMemCreate")  # type: ignore[attr-defined]
+
+    def map(self, device: int, size: int, ptr: int, handle_slot: int) -> None:
+        handle = ctypes.c_ulonglong.from_address(handle_slot).value
+        self.check(self._cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")  # type: ignore[attr-defined]
+
+    def allow(self, device: int, size: int, ptr: int) -> None:
+        desc = _AccessDesc(location=_Location(_DEVICE, device), flags=_READ_WRITE)
+        self.check(self._cuMemSetAccess(ptr, size, ctypes.byref(desc), 1), "cuMemSetAccess")  # type: ignore[attr-defined]
+
+    def create_and_map(self, allocation: Allocation) -> None:
+        """vLLM's ``create_and_map`` (CUDA): physical memory for one reserved range."""
+        device, size, ptr, slot = allocation
+        self.create(device, size, slot)
+        try:
+            self.map(device, size, ptr, slot)
+        except BaseException:
+            self._cuMemRelease(ctypes.c_ulonglong.from_address(slot).value)  # type: ignore[attr-defined]
+            raise
+        self.allow(device, size, ptr)
+
+    def unmap_and_release(self, allocation: Allocation) -> None:
+        device, size, ptr, slot = allocation
+        self.check(self._cuMemUnmap(ptr, size), "cuMemUnmap")  # type: ignore[attr-defined]
+        self.check(self._cuMemRelease(ctypes.c_ulonglong.from_address(slot).value), "cuMemRelease")  # type: ignore[attr-defined]
+
+    def reserve(self, size: int) -> int:
+        ptr = ctypes.c_ulonglong()
+        self.check(self._cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0), "cuMemAddressReserve")  # type: ignore[attr-defined]
+        return int(ptr.value)
+
+    def free_range(self, ptr: int, size: int) -> None:
+        self.check(self._cuMemAddressFree(ptr, size), "cuMemAddressFree")  # type: ignore[attr-defined]
+
+
+def balanced(allocations: Sequence[Allocation], parts: int) -> list[list[Allocation]]:
+    """``allocations`` in ``parts`` lists of about equal bytes (largest first, each to the lightest
+    list); every list keeps the order the allocations came in."""
+    parts = max(1, min(parts, len(allocations)))
+    loads = [0] * parts
+    owner: dict[int, int] = {}
+    for i in sorted(range(len(allocations)), key=lambda i: -allocations[i][1]):
+        k = loads.index(min(loads))
+        loads[k] += allocations[i][1]
+        owner[i] = k
+    out: list[list[Allocation]] = [[] for _ in range(parts)]
+    for i, allocation in enumerate(allocations):
+        out[owner[i]].append(allocation)
+    return [part for part in out if part]
+
+
+def map_allocations(allocations: Sequence[Allocation], threads: int, drv: Driver,
+                    done: Callable[[Allocation], None] | None = None) -> None:
+    """``create_and_map`` every allocation, in ``threads`` threads (the calling thread's CUDA
+    context made current in each). ``done(allocation)`` runs (in the worker thread, under a lock)
+    after each one is mapped. The first failure is raised once every thread stopped; allocations
+    mapped before it stay mapped (and were reported to ``done``)."""
+    if not allocations:
+        return
+    lock = threading.Lock()
+    if threads <= 1 or len(allocations) == 1:
+        for allocation in allocations:
+            drv.create_and_map(allocation)
+            if done is not None:
+                done(allocation)
+        return
+    ctx = drv.current_context()
+    failed = threading.Event()
+
+    def run(part: list[Allocation]) -> None:
+        drv.set_context(ctx)
+        for allocation in part:
+            if failed.is_set():
+                return
+            try:
+                drv.create_and_map(allocation)
+            except BaseException:
+                failed.set()
+                raise
+            if done is not None:
+                with lock:
+                    done(allocation)
+
+    parts = balanced(allocations, threads)
+    with ThreadPoolExecutor(len(parts), thread_name_prefix="roe-wake") as pool:
+        futures = [pool.submit(run, part) for part in parts]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise errors[0]  # type: ignore[misc]
+
 
 GRANULARITY = 2 << 20
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, head dim, vocabulary
@@ -39,9 +210,10 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen3-14b", choices=sorted(SHAPES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", default="1,2,4,8,16")
+    parser.add_argument("--delays", default="0,0.05,0.2,0.5,1,2",
+                        help="seconds between a release and the next mapping (one thread), comma-separated")
     args = parser.parse_args()
     import torch
-    from rollout_engines_vllm.vmm import Driver, map_allocations
 
     torch.zeros(1, device="cuda")  # the primary context, current in this thread
     device = torch.cuda.current_device()
@@ -92,7 +264,7 @@ def main() -> None:
         for _ in range(args.repeats):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            map_allocations(allocations, threads, drv=drv)
+            map_allocations(allocations, threads, drv)
             times.append(time.perf_counter() - t0)
             touch()
             releases.append(release())
@@ -101,6 +273,17 @@ def main() -> None:
                               "gbps": round(total / med / 1e9, 1)}
         print(f"threads={threads} {runs[str(threads)]}", flush=True)
     out["map"] = runs
+    delays: dict[str, list[float]] = {}
+    for delay in [float(d) for d in args.delays.split(",") if d]:
+        for _ in range(args.repeats):
+            time.sleep(delay)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            map_allocations(allocations, 1, drv)
+            delays.setdefault(str(delay), []).append(round((time.perf_counter() - t0) * 1e3, 2))
+            touch()
+            releases.append(release())
+    out["delay_s_to_map_ms"] = delays
     out["release_median_ms"] = round(statistics.median(releases) * 1e3, 2)
     one = runs.get("1", {}).get("median_ms")
     if one:

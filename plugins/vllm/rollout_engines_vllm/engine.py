@@ -139,12 +139,6 @@ class VllmOptions(BaseModel):
     enable_sleep_mode: bool | None = Field(
         default=None, description="None: on for CUDA. At most one sleep-mode engine per process."
     )
-    wake_threads: int = Field(
-        default=1, ge=1, le=64,
-        description="Sleep mode on CUDA: map the memory a wake_up gives back (level-2 weights, the KV "
-        "cache) in this many threads instead of vLLM's one (rollout_engines_vllm.vmm); allocations "
-        "restored from a CPU backup keep vLLM's own path. 1: vLLM's wake_up unchanged.",
-    )
     distributed_executor_backend: Literal["mp", "ray"] | None = Field(
         default=None, description="Workers for tensor_parallel_size > 1: 'mp' (default) or 'ray'."
     )
@@ -531,12 +525,6 @@ class VllmEngine(Engine):
         self._max_model_len: int | None = getattr(model_config, "max_model_len", None)
         self._vocab_size: int | None = model_config.get_vocab_size() if hasattr(model_config, "get_vocab_size") else None
         self._workers: list[dict[str, Any]] = self._sync(lambda: self._llm.collective_rpc("roe_worker_info"))
-        if self.sleep_mode and self.platform == "cuda" and self.options.wake_threads > 1:
-            threads = self.options.wake_threads
-            answers = self._sync(lambda: self._llm.collective_rpc("roe_threaded_wake", args=(threads,)))
-            failed = [a for a in answers if not (isinstance(a, dict) and a.get("ok"))]
-            if failed:  # vLLM's own wake_up stays: slower, not wrong
-                logger.warning("wake_threads=%d not taken by the workers (%s); vLLM's wake_up maps alone", threads, failed[0])
         max_logprobs = int(getattr(self._llm.model_config, "max_logprobs", MAX_LOGPROBS))
         if 0 <= max_logprobs < MAX_LOGPROBS:
             self.capabilities = self.capabilities.model_copy(update={"top_logprobs": max_logprobs})

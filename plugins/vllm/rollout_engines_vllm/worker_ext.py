@@ -191,17 +191,6 @@ class WorkerExtension:
     def roe_worker_info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": int(getattr(self, "rank", 0)), "device": str(getattr(self, "device", "cpu"))}
 
-    def roe_threaded_wake(self, threads: int) -> dict[str, Any]:
-        """Map what this worker's sleep-mode allocator wakes in ``threads`` threads (option
-        ``wake_threads``, :func:`~rollout_engines_vllm.vmm.threaded_wake`)."""
-        try:
-            from .vmm import threaded_wake
-
-            threaded_wake(_sleep_allocator(), int(threads))
-            return {"ok": True}
-        except BaseException as exc:
-            return error_result(exc)
-
     def roe_param_checksum(self) -> dict[str, float]:
         """Sums over this worker's parameters (to compare weights where greedy tokens are not
         reproducible, e.g. real-size models on a GPU). Meaningless on CPU, where vLLM repacks
@@ -369,18 +358,6 @@ class WorkerExtension:
                 state["receiver"].close()
             finally:
                 state["receiver"] = None
-
-
-def _sleep_allocator() -> Any:
-    """vLLM's sleep-mode allocator of this process (``get_mem_allocator_instance`` where vLLM has
-    it, else ``CuMemAllocator``'s singleton)."""
-    try:
-        from vllm.device_allocator import get_mem_allocator_instance
-    except ImportError:
-        from vllm.device_allocator.cumem import CuMemAllocator
-
-        return CuMemAllocator.get_instance()
-    return get_mem_allocator_instance()
 
 
 def _device_setter(device: Any) -> Any:

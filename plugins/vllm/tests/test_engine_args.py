@@ -39,18 +39,6 @@ def test_cuda_defaults(tiny_model):
     assert not args.enforce_eager
 
 
-def test_wake_threads_is_the_engines_own_option(tiny_model):
-    """``wake_threads`` stays with the engine (it is no AsyncEngineArgs field); 0 threads is refused."""
-    from pydantic import ValidationError
-    from rollout_engines_vllm.engine import VllmOptions
-
-    args = args_for(str(tiny_model), platform="cuda", options={"wake_threads": 8})
-    assert not hasattr(args, "wake_threads")
-    assert VllmOptions.model_validate({"wake_threads": 8}).wake_threads == 8
-    with pytest.raises(ValidationError, match="wake_threads"):
-        VllmOptions.model_validate({"wake_threads": 0})
-
-
 @pytest.mark.parametrize(("platform", "option", "used"), [
     ("cuda", None, True), ("cpu", None, False), ("cuda", False, False), ("cpu", True, True),
 ])
