@@ -434,3 +434,29 @@ def test_nccl_without_a_gpu_is_refused_with_the_cpu_alternative():
     tspec = TransportSpec(transport="nccl", session_id="s", world_size=2, timeout_s=5, options={})
     with pytest.raises(WeightSyncError, match="CUDA device, not cpu.*gloo"):
         NcclReceiver(tspec, rank=1, device="cpu")
+
+
+def test_an_abandoned_gloo_group_is_let_go_once_its_collectives_timed_out(monkeypatch):
+    """A gloo group a failed update left behind is parked (destroying it at once would block on
+    its pending collectives) only until its own timeout has passed; a later drop lets it go, so
+    failed updates do not pile up groups and their threads for the life of the process."""
+    import datetime
+
+    from rollout_engines.weights.transports import broadcast
+    from torch.distributed import HashStore, ProcessGroupGloo
+
+    monkeypatch.setattr(broadcast, "_abandoned", [])
+    monkeypatch.setattr(broadcast, "ABANDON_SLACK_S", 0.2)
+
+    def group():
+        return ProcessGroupGloo(HashStore(), 0, 1, datetime.timedelta(seconds=5))
+
+    short, long = group(), group()
+    broadcast._drop_group(short, failed=True, timeout_s=0.0)
+    broadcast._drop_group(long, failed=True, timeout_s=60.0)
+    assert [g for _, g in broadcast._abandoned] == [short, long]
+    broadcast._drop_group(group(), failed=False, timeout_s=0.0)  # a clean close parks nothing
+    assert [g for _, g in broadcast._abandoned] == [short, long]
+    time.sleep(0.3)
+    broadcast._drop_group(None)
+    assert [g for _, g in broadcast._abandoned] == [long]  # past its timeout: let go; the other stays

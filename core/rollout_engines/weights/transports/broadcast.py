@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from typing import Any, ClassVar
 
 import torch
@@ -75,13 +76,21 @@ def _make_group(kind: str, store: dist.Store, rank: int, world_size: int, timeou
     return ProcessGroupNCCL(store, rank, world_size, opts)
 
 
-#: Gloo groups left by failed updates. Aborting or destroying one blocks until its pending
-#: collectives time out, so they are parked here instead (their threads idle once those end).
-_abandoned: list[Any] = []
+#: Gloo groups left by failed updates, each with the time after which its pending collectives
+#: have timed out. Aborting or destroying one before then blocks until they do, so it is parked
+#: here until that time; a later call of :func:`_drop_group` lets it go (its destructor then has
+#: nothing left to wait for).
+_abandoned: list[tuple[float, Any]] = []
+#: Slack past a group's own timeout before a parked group is let go.
+ABANDON_SLACK_S = 5.0
 
 
-def _drop_group(pg: Any, failed: bool = True) -> None:
-    """Let go of a group; after a failure, abandon it without waiting on its pending collectives."""
+def _drop_group(pg: Any, failed: bool = True, timeout_s: float | None = None) -> None:
+    """Let go of a group; after a failure, abandon it without waiting on its pending collectives
+    (parked for ``timeout_s``, the group's timeout, plus :data:`ABANDON_SLACK_S`)."""
+    now = time.monotonic()
+    if _abandoned:
+        _abandoned[:] = [(until, g) for until, g in _abandoned if until > now]
     if pg is None:
         return
     if failed and hasattr(pg, "abort") and type(pg).__name__ == "ProcessGroupNCCL":
@@ -91,7 +100,7 @@ def _drop_group(pg: Any, failed: bool = True) -> None:
             logger.debug("abort() of an abandoned NCCL group failed", exc_info=True)
         return
     if failed:
-        _abandoned.append(pg)
+        _abandoned.append((now + (timeout_s if timeout_s is not None else 3600.0) + ABANDON_SLACK_S, pg))
 
 
 class _BroadcastSender(TransportSender):
@@ -147,7 +156,7 @@ class _BroadcastSender(TransportSender):
         self._token = self._watch.token = manifest.session_id
         if rebuild:
             # A previous update failed on some side: start a fresh group everyone can trust.
-            _drop_group(self._pg)
+            _drop_group(self._pg, timeout_s=self.timeout_s)
             self._pg = None
             self._gen += 1
             self._watch.clear()
@@ -240,7 +249,7 @@ class _BroadcastSender(TransportSender):
 
     def close(self) -> None:
         pg, self._pg = self._pg, None
-        _drop_group(pg, failed=self._broken or bool(self._inflight))
+        _drop_group(pg, failed=self._broken or bool(self._inflight), timeout_s=self.timeout_s)
         self._inflight.clear()
         self._kv.close()  # the store stops listening once no group holds it either
 
@@ -303,7 +312,7 @@ class _BroadcastReceiver(TransportReceiver):
             _store.report_progress(self._kv, self.rank, -1)
             gen = int(self._kv.get(key))
             if gen != self._gen or self._pg is None:
-                _drop_group(self._pg)
+                _drop_group(self._pg, timeout_s=self.timeout_s)
                 self._pg, self._failed = None, False
                 self._gen = gen
                 self._pg = self._join(gen)
@@ -358,12 +367,12 @@ class _BroadcastReceiver(TransportReceiver):
         # the sender starts a new generation for the next update.
         _store.report_failure(self._kv, self.rank, f"update v{manifest.version} failed at bucket {self._last + 1}",
                               token=self._token)
-        _drop_group(self._pg)
+        _drop_group(self._pg, timeout_s=self.timeout_s)
         self._pg = None
         self._failed = True
 
     def close(self) -> None:
-        _drop_group(self._pg, failed=self._failed)
+        _drop_group(self._pg, failed=self._failed, timeout_s=self.timeout_s)
         self._pg = None
         if self._beat is not None:
             self._beat.close()
