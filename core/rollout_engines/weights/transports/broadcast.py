@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 from typing import Any, ClassVar
 
@@ -81,6 +82,7 @@ def _make_group(kind: str, store: dist.Store, rank: int, world_size: int, timeou
 #: here until that time; a later call of :func:`_drop_group` lets it go (its destructor then has
 #: nothing left to wait for).
 _abandoned: list[tuple[float, Any]] = []
+_abandoned_lock = threading.Lock()
 #: Slack past a group's own timeout before a parked group is let go.
 ABANDON_SLACK_S = 5.0
 
@@ -89,8 +91,10 @@ def _drop_group(pg: Any, failed: bool = True, timeout_s: float | None = None) ->
     """Let go of a group; after a failure, abandon it without waiting on its pending collectives
     (parked for ``timeout_s``, the group's timeout, plus :data:`ABANDON_SLACK_S`)."""
     now = time.monotonic()
-    if _abandoned:
+    with _abandoned_lock:
+        expired = [g for until, g in _abandoned if until <= now]
         _abandoned[:] = [(until, g) for until, g in _abandoned if until > now]
+    del expired  # destroyed here, outside the lock
     if pg is None:
         return
     if failed and hasattr(pg, "abort") and type(pg).__name__ == "ProcessGroupNCCL":
@@ -100,7 +104,8 @@ def _drop_group(pg: Any, failed: bool = True, timeout_s: float | None = None) ->
             logger.debug("abort() of an abandoned NCCL group failed", exc_info=True)
         return
     if failed:
-        _abandoned.append((now + (timeout_s if timeout_s is not None else 3600.0) + ABANDON_SLACK_S, pg))
+        with _abandoned_lock:
+            _abandoned.append((now + (timeout_s if timeout_s is not None else 3600.0) + ABANDON_SLACK_S, pg))
 
 
 class _BroadcastSender(TransportSender):
