@@ -21,9 +21,8 @@ import argparse
 import ctypes
 import json
 import statistics
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -135,59 +134,34 @@ class Driver:
 
 
 def balanced(allocations: Sequence[Allocation], parts: int) -> list[list[Allocation]]:
-    """``allocations`` in ``parts`` lists of about equal bytes (largest first, each to the lightest
-    list); every list keeps the order the allocations came in."""
-    parts = max(1, min(parts, len(allocations)))
-    loads = [0] * parts
-    owner: dict[int, int] = {}
-    for i in sorted(range(len(allocations)), key=lambda i: -allocations[i][1]):
+    """``allocations`` in ``parts`` lists of about equal bytes (largest first, each to the lightest)."""
+    out: list[list[Allocation]] = [[] for _ in range(max(1, min(parts, len(allocations))))]
+    loads = [0] * len(out)
+    for allocation in sorted(allocations, key=lambda a: -a[1]):
         k = loads.index(min(loads))
-        loads[k] += allocations[i][1]
-        owner[i] = k
-    out: list[list[Allocation]] = [[] for _ in range(parts)]
-    for i, allocation in enumerate(allocations):
-        out[owner[i]].append(allocation)
-    return [part for part in out if part]
+        loads[k] += allocation[1]
+        out[k].append(allocation)
+    return out
 
 
-def map_allocations(allocations: Sequence[Allocation], threads: int, drv: Driver,
-                    done: Callable[[Allocation], None] | None = None) -> None:
+def map_allocations(allocations: Sequence[Allocation], threads: int, drv: Driver) -> None:
     """``create_and_map`` every allocation, in ``threads`` threads (the calling thread's CUDA
-    context made current in each). ``done(allocation)`` runs (in the worker thread, under a lock)
-    after each one is mapped. The first failure is raised once every thread stopped; allocations
-    mapped before it stay mapped (and were reported to ``done``)."""
-    if not allocations:
-        return
-    lock = threading.Lock()
-    if threads <= 1 or len(allocations) == 1:
+    context made current in each); a failure is raised once every thread stopped."""
+    if threads <= 1:
         for allocation in allocations:
             drv.create_and_map(allocation)
-            if done is not None:
-                done(allocation)
         return
     ctx = drv.current_context()
-    failed = threading.Event()
 
     def run(part: list[Allocation]) -> None:
         drv.set_context(ctx)
         for allocation in part:
-            if failed.is_set():
-                return
-            try:
-                drv.create_and_map(allocation)
-            except BaseException:
-                failed.set()
-                raise
-            if done is not None:
-                with lock:
-                    done(allocation)
+            drv.create_and_map(allocation)
 
-    parts = balanced(allocations, threads)
-    with ThreadPoolExecutor(len(parts), thread_name_prefix="roe-wake") as pool:
-        futures = [pool.submit(run, part) for part in parts]
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:
-        raise errors[0]  # type: ignore[misc]
+    with ThreadPoolExecutor(threads, thread_name_prefix="roe-wake") as pool:
+        futures = [pool.submit(run, part) for part in balanced(allocations, threads)]
+    for future in futures:
+        future.result()
 
 
 GRANULARITY = 2 << 20

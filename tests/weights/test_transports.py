@@ -458,5 +458,5 @@ def test_an_abandoned_gloo_group_is_let_go_once_its_collectives_timed_out(monkey
     broadcast._drop_group(group(), failed=False, timeout_s=0.0)  # a clean close parks nothing
     assert [g for _, g in broadcast._abandoned] == [short, long]
     time.sleep(0.3)
-    broadcast._drop_group(None)
+    broadcast._drop_group(None, timeout_s=0.0)
     assert [g for _, g in broadcast._abandoned] == [long]  # past its timeout: let go; the other stays

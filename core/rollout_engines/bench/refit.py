@@ -90,18 +90,15 @@ def run(args: Any) -> dict[str, Any]:
             if gpu:
                 torch.cuda.synchronize()
 
-        async def timed(phase: str, row: dict[str, float], work: Any) -> Any:
-            sync_device()
+        async def timed(phase: str, row: dict[str, float], work: Any, *, sync: bool = True) -> Any:
+            """``work``'s time into ``row[phase]``; ``sync=False`` for one of two overlapped calls,
+            whose pair is timed (and synced) as a whole."""
+            if sync:
+                sync_device()
             t0 = time.perf_counter()
             out = await work
-            sync_device()
-            row[phase] = time.perf_counter() - t0
-            return out
-
-        async def own(phase: str, row: dict[str, float], work: Any) -> Any:
-            """One of two overlapped calls: its own time (no device sync: the pair's is timed)."""
-            t0 = time.perf_counter()
-            out = await work
+            if sync:
+                sync_device()
             row[phase] = time.perf_counter() - t0
             return out
 
@@ -123,7 +120,8 @@ def run(args: Any) -> dict[str, Any]:
                     push = sync.push(tensors, version=engine.weight_version + 1)
                     if overlap:
                         await timed("push_and_kv", row, asyncio.gather(
-                            own("push", row, push), own("wake_kv", row, engine.wake_up(tags=["kv_cache"]))))
+                            timed("push", row, push, sync=False),
+                            timed("wake_kv", row, engine.wake_up(tags=["kv_cache"]), sync=False)))
                     else:
                         await timed("push", row, push)
                     push_phases.append(_phases(await engine.diagnostics(), row["push"], sync.last_send_timings))  # untimed

@@ -87,7 +87,7 @@ _abandoned_lock = threading.Lock()
 ABANDON_SLACK_S = 5.0
 
 
-def _drop_group(pg: Any, failed: bool = True, timeout_s: float | None = None) -> None:
+def _drop_group(pg: Any, *, timeout_s: float, failed: bool = True) -> None:
     """Let go of a group; after a failure, abandon it without waiting on its pending collectives
     (parked for ``timeout_s``, the group's timeout, plus :data:`ABANDON_SLACK_S`)."""
     now = time.monotonic()
@@ -105,7 +105,7 @@ def _drop_group(pg: Any, failed: bool = True, timeout_s: float | None = None) ->
         return
     if failed:
         with _abandoned_lock:
-            _abandoned.append((now + (timeout_s if timeout_s is not None else 3600.0) + ABANDON_SLACK_S, pg))
+            _abandoned.append((now + timeout_s + ABANDON_SLACK_S, pg))
 
 
 class _BroadcastSender(TransportSender):
