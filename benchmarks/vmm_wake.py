@@ -10,6 +10,8 @@ granularity), then times, over ``--repeats`` rounds each: mapping them all in on
 way), each driver call's share of that, and mapping them in 2, 4, 8 and 16 threads; and releasing
 them (a sleep's work). ``--delays`` then times the single-thread mapping again after waiting
 that many seconds after the last release (does the driver finish something in the background?).
+``--merged K`` merges the allocations, in order, into K (would a loader that packs the weights
+into few allocations wake them faster?).
 Needs a CUDA GPU; prints one JSON line.
 
     python benchmarks/vmm_wake.py --shape qwen3-14b
@@ -179,10 +181,33 @@ def allocation_sizes(shape: str, itemsize: int = 2) -> list[int]:
     return [-(-s // GRANULARITY) * GRANULARITY for s in sizes]
 
 
+def merged(sizes: Sequence[int], parts: int) -> list[int]:
+    """``sizes`` merged, in order, into at most ``parts`` allocations of about equal bytes (0:
+    unmerged): one cut wherever the running total crosses the next multiple of
+    ``sum(sizes) / parts`` (fewer where one allocation spans two of them)."""
+    if parts <= 0 or parts >= len(sizes):
+        return list(sizes)
+    target = sum(sizes) / parts
+    out: list[int] = []
+    running = current = 0
+    for size in sizes:
+        current += size
+        running += size
+        if len(out) < parts - 1 and running >= (len(out) + 1) * target:
+            out.append(current)
+            current = 0
+    if current:
+        out.append(current)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-14b", choices=sorted(SHAPES))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--merged", type=int, default=0,
+                        help="merge the shape's allocations, in order, into this many (0: as vLLM makes them): "
+                        "would a loader that packs the weights into few allocations wake them faster?")
     parser.add_argument("--threads", default="1,2,4,8,16")
     parser.add_argument("--delays", default="0,0.05,0.2,0.5,1,2",
                         help="seconds between a release and the next mapping (one thread), comma-separated")
@@ -192,7 +217,7 @@ def main() -> None:
     torch.zeros(1, device="cuda")  # the primary context, current in this thread
     device = torch.cuda.current_device()
     drv = Driver()
-    sizes = allocation_sizes(args.shape)
+    sizes = merged(allocation_sizes(args.shape), args.merged)
     slots = (ctypes.c_ulonglong * len(sizes))()
     base = ctypes.addressof(slots)
     allocations = [(device, size, drv.reserve(size), base + 8 * i) for i, size in enumerate(sizes)]
