@@ -22,6 +22,9 @@ its greedy tokens must differ from the start after a perturbed push and equal it
 one. Greedy tokens are exact on tiny models; on real-size random models on a GPU they are not
 reproducible token for token, so a greedy-token mismatch there leaves ``verified`` false with
 ``fingerprint: "greedy tokens"`` telling why.
+
+``engine_workers`` is what the engine's workers said of themselves at the start
+(``info().extra['workers']``; vLLM's include how many sleep-mode allocations the weights take).
 """
 
 from __future__ import annotations
@@ -102,7 +105,10 @@ def run(args: Any) -> dict[str, Any]:
             row[phase] = time.perf_counter() - t0
             return out
 
+        workers: list[Any] = []
+
         async def go() -> tuple[list[dict[str, float]], list[bool]]:
+            workers.extend((await engine.info()).extra.get("workers") or [])
             start_print = await fingerprint()
             await engine.generate(one_token)  # warm the one-token path once, outside the timings
             sync = await connect_weight_sync([engine], transport, bucket_bytes=bench.bucket_bytes, timeout_s=600,
@@ -172,4 +178,5 @@ def run(args: Any) -> dict[str, Any]:
         "verified": all(checks),
         "options": bench.options,
         "transport_options": bench.transport_options,
+        "engine_workers": workers,
     }

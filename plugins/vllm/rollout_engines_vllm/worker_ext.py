@@ -27,9 +27,14 @@ from rollout_engines.weights.fp8 import SCALE_SUFFIX, Fp8Forms, is_fp8_form, qua
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, manifest_from_wire
 from rollout_engines.weights.receiver import WeightReceiver
 
+from . import packed_loader
 from .checkpoint import checkpoint_specs, incomplete_groups, resolve_model_dir
 
 logger = logging.getLogger("rollout_engines.vllm.worker")
+
+# vLLM imports this module in every worker process before it loads the model: the option
+# pack_weights' load format must be known by then.
+packed_loader.register()
 
 #: Transports whose receiver reads into host memory; the loader copies to the device.
 HOST_TRANSPORTS = {"gloo", "shm", "disk", "inproc", "http"}
@@ -189,7 +194,16 @@ class WorkerExtension:
     model_runner: Any
 
     def roe_worker_info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "rank": int(getattr(self, "rank", 0)), "device": str(getattr(self, "device", "cpu"))}
+        """Who this worker is, and (sleep mode) how many allocations its weights take."""
+        info: dict[str, Any] = {"pid": os.getpid(), "rank": int(getattr(self, "rank", 0)),
+                                "device": str(getattr(self, "device", "cpu"))}
+        allocations = packed_loader.pool_allocations("weights")
+        if allocations is not None:
+            info["weight_allocations"] = allocations
+        load_config = getattr(getattr(self, "vllm_config", None), "load_config", None)
+        if getattr(load_config, "load_format", None) == packed_loader.LOAD_FORMAT:
+            info["packed_weights_reserved_bytes"] = packed_loader.LAST_LOAD.get("reserved_bytes")
+        return info
 
     def roe_param_checksum(self) -> dict[str, float]:
         """Sums over this worker's parameters (to compare weights where greedy tokens are not
