@@ -175,14 +175,6 @@ class VllmOptions(BaseModel):
         "pushes were measured faster with it, off on the CPU, where vLLM's reload_weights ran slower on "
         "the doorbell's thread. info().extra['direct_receive'] says what an engine uses.",
     )
-    pack_weights: bool = Field(
-        default=False,
-        description="Sleep mode on CUDA: build the model's weights inside one allocation of vLLM's "
-        "sleep-mode allocator (reserved right before the model is built; rollout_engines_vllm."
-        "packed_loader) instead of one per parameter, so that a wake-up maps one range instead of "
-        "hundreds. Loads through this plugin's load format; elsewhere it loads as usual. "
-        "info().extra['workers'] says what the weights take.",
-    )
     copy_plan: bool = Field(
         default=True,
         description="CUDA: learn where each tensor lands on the first push, then load later pushes "
@@ -510,16 +502,6 @@ class VllmEngine(Engine):
             kwargs["kv_cache_memory_bytes"] = kv_bytes
         if self.sleep_mode:
             kwargs["enable_sleep_mode"] = True
-        if opts.pack_weights:
-            from .packed_loader import LOAD_FORMAT
-
-            if kwargs.get("load_format", "auto") not in ("auto", "safetensors", LOAD_FORMAT):
-                raise ValueError(f"option pack_weights loads safetensors checkpoints through load format "
-                                 f"'{LOAD_FORMAT}', not load_format='{kwargs['load_format']}': drop one of the two")
-            if opts.weight_quantization != "none":
-                raise ValueError("option pack_weights sizes the weights from the BF16 checkpoint; it does "
-                                 "not go with weight_quantization: drop one of the two")
-            kwargs["load_format"] = LOAD_FORMAT
         if opts.enable_lora:
             # room in vLLM's adapter cache for the version each adapter's last push retired (removed at the next push)
             kwargs.update(enable_lora=True, max_lora_rank=opts.max_lora_rank, max_loras=opts.max_loras,

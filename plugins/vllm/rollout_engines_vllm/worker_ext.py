@@ -27,14 +27,9 @@ from rollout_engines.weights.fp8 import SCALE_SUFFIX, Fp8Forms, is_fp8_form, qua
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, manifest_from_wire
 from rollout_engines.weights.receiver import WeightReceiver
 
-from . import packed_loader
 from .checkpoint import checkpoint_specs, incomplete_groups, resolve_model_dir
 
 logger = logging.getLogger("rollout_engines.vllm.worker")
-
-# vLLM imports this module in every worker process before it loads the model: the option
-# pack_weights' load format must be known by then.
-packed_loader.register()
 
 #: Transports whose receiver reads into host memory; the loader copies to the device.
 HOST_TRANSPORTS = {"gloo", "shm", "disk", "inproc", "http"}
@@ -58,6 +53,20 @@ def parameter_sums(params: Iterable[torch.Tensor], chunk: int = 1 << 26) -> dict
                 absolute += float(d.abs().sum())
             count += p.numel()
     return {"sum": total, "abs_sum": absolute, "numel": count}
+
+
+def sleep_mode_allocations(tag: str) -> dict[str, int] | None:
+    """How many allocations with ``tag`` vLLM's sleep-mode allocator holds in this process, and
+    their bytes (None without sleep mode): a level-2 wake-up maps each again, one by one."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except Exception:  # noqa: BLE001 - a build without the allocator (CPU)
+        return None
+    instance = CuMemAllocator.instance
+    if instance is None:
+        return None
+    sizes = [int(d.handle[1]) for d in instance.pointer_to_data.values() if d.tag == tag]
+    return {"count": len(sizes), "bytes": sum(sizes), "largest": max(sizes, default=0)}
 
 
 class VllmWeightTarget:
@@ -197,12 +206,9 @@ class WorkerExtension:
         """Who this worker is, and (sleep mode) how many allocations its weights take."""
         info: dict[str, Any] = {"pid": os.getpid(), "rank": int(getattr(self, "rank", 0)),
                                 "device": str(getattr(self, "device", "cpu"))}
-        allocations = packed_loader.pool_allocations("weights")
+        allocations = sleep_mode_allocations("weights")
         if allocations is not None:
             info["weight_allocations"] = allocations
-        load_config = getattr(getattr(self, "vllm_config", None), "load_config", None)
-        if getattr(load_config, "load_format", None) == packed_loader.LOAD_FORMAT:
-            info["packed_weights_reserved_bytes"] = packed_loader.LAST_LOAD.get("reserved_bytes")
         return info
 
     def roe_param_checksum(self) -> dict[str, float]:

@@ -138,33 +138,6 @@ def test_doorbell_pushes_land_on_the_gpu(tiny_model):
     run(go())
 
 
-def test_packed_weights_wake_as_few_allocations_and_take_pushes(tiny_model):
-    """Option pack_weights: the weights come back from a level-2 sleep in (about) one sleep-mode
-    allocation, at least the reserved bytes, and pushes land in them as in any engine."""
-    async def go():
-        eng = await asyncio.to_thread(create_engine, "vllm", model=str(tiny_model), dtype="float32",
-                                      gpu_memory_utilization=0.2, pack_weights=True)
-        try:
-            (worker,) = (await eng.info()).extra["workers"]
-            reserved, allocations = worker["packed_weights_reserved_bytes"], worker["weight_allocations"]
-            assert reserved > 0 and allocations["largest"] >= reserved
-            original = {k: v.cuda() for k, v in load_checkpoint(tiny_model).items()}
-            before, sums = await tokens(eng), await checksums(eng)
-            sync = await connect_weight_sync([eng], "cuda_ipc", bucket_bytes=1 << 20)
-            try:
-                await eng.sleep(level=2)
-                await eng.wake_up(tags=["weights"])
-                await sync.push(original, version=eng.weight_version + 1)
-                await eng.wake_up(tags=["kv_cache"])
-                assert await checksums(eng) == sums and await tokens(eng) == before
-            finally:
-                await sync.close()
-        finally:
-            await eng.close()
-
-    run(go())
-
-
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="nccl needs 2 GPUs")
 def test_nccl_push_from_another_gpu(tiny_model, monkeypatch):
     import os
