@@ -61,6 +61,25 @@ def test_bench_refit_overlapping_the_kv_wake_up(tiny_model):
     assert med["push_and_kv"] >= max(med["push"], med["wake_kv"]) - 1e-5
 
 
+def test_bench_refit_idles_between_sleep_and_wake_up(tiny_model):
+    """``--idle-s``: each cycle waits between its sleep and its wake-up (the trainer's step), outside
+    the timed phases; every push still lands."""
+    proc = _bench("--model", str(tiny_model), "--cycles", "2", "--idle-s", "0.2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["idle_s"] == 0.2
+    assert result["verified"] is True and result["pushes_verified"] == [True, True]
+    # the tiny model wakes in milliseconds: the idle is in no cycle's wake_weights
+    assert result["median_s"]["wake_weights"] < 0.15 and result["first_cycle_s"]["wake_weights"] < 0.15
+
+
+def test_bench_refit_refuses_a_negative_idle(tiny_model):
+    from rollout_engines.bench.refit import run
+
+    with pytest.raises(ValueError, match=r"--idle-s must be >= 0, got -0\.5"):
+        run({"backend": "transformers", "model": str(tiny_model), "idle_s": -0.5})
+
+
 def test_bench_refit_unsupported_level(tiny_model):
     proc = _bench("--model", str(tiny_model), "--level", "3")
     assert proc.returncode == 2

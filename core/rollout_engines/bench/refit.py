@@ -6,7 +6,8 @@ to training) → ``wake_up(tags=["weights"])`` → push the new weights → ``wa
 first token after waking (one greedy generate of one token). ``refit`` is
 ``wake_weights + push + wake_kv``: the time from "training is done" to "the engine can generate".
 With ``--overlap-kv`` the KV cache wakes while the push runs (``asyncio.gather``: a trainer can do
-the same), and ``refit`` is ``wake_weights + push_and_kv``, the pair's time.
+the same), and ``refit`` is ``wake_weights + push_and_kv``, the pair's time. ``--idle-s`` waits,
+untimed, between each cycle's sleep and its wake-up, as the trainer's step does.
 
 The weight-sync session is opened once, before the first cycle, as a trainer does, and
 ``--warmup`` untimed pushes (4, alternating the two weight sets as the cycles do) go first: a
@@ -55,9 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap-kv", action="store_true",
                         help="wake the KV cache while the push runs (asyncio.gather of the two); "
                         "refit is then wake_weights + push_and_kv, and push / wake_kv are each call's own time")
+    parser.add_argument("--idle-s", type=float, default=0.0, metavar="SECONDS",
+                        help="seconds between each cycle's sleep and its wake-up, untimed: the trainer's step; "
+                        "a wake-up right after a sleep also times the driver finishing the release")
 
 
 def run(args: Any) -> dict[str, Any]:
+    idle_s = float(arg(args, "idle_s", 0.0))
+    if not idle_s >= 0:
+        raise ValueError(f"--idle-s must be >= 0, got {idle_s}")
+
     import torch
 
     from ..errors import CapabilityError
@@ -122,6 +130,8 @@ def run(args: Any) -> dict[str, Any]:
                     tensors = weights.use(changed if i % 2 == 0 else original)  # untimed
                     row: dict[str, float] = {}
                     await timed("sleep", row, engine.sleep(level=level))
+                    if idle_s:
+                        await asyncio.sleep(idle_s)  # untimed: the trainer's step
                     await timed("wake_weights", row, engine.wake_up(tags=["weights"]))
                     push = sync.push(tensors, version=engine.weight_version + 1)
                     if overlap:
@@ -158,6 +168,7 @@ def run(args: Any) -> dict[str, Any]:
         "transport": transport,
         "sleep_level": level,
         "overlap_kv": overlap,
+        "idle_s": idle_s,
         "cycles": cycles,
         "warmup_pushes": warmup,
         "bytes": weights.total_bytes,
