@@ -238,6 +238,9 @@ async def test_multiprocessing_mode_receives_too(tiny_model, original, request_)
     try:
         info = await eng.info()
         assert info.extra["multiprocessing"] is True
+        # the worker answers for itself from its own process; no sleep-mode allocator on the CPU
+        (worker,) = info.extra["workers"]
+        assert worker["rank"] == 0 and worker["pid"] != os.getpid() and "weight_allocations" not in worker
         before = await tokens(eng, request_)
         await push(eng, update(str(tiny_model)), 1)
         assert await tokens(eng, request_) != before
