@@ -78,6 +78,9 @@ def test_bench_refit_refuses_a_negative_idle(tiny_model):
 
     with pytest.raises(ValueError, match=r"--idle-s must be >= 0, got -0\.5"):
         run({"backend": "transformers", "model": str(tiny_model), "idle_s": -0.5})
+    for bad, message in (("-1", "--idle-s must be >= 0, got -1.0"), ("soon", "--idle-s wants seconds, got 'soon'")):
+        proc = _bench("--model", str(tiny_model), "--idle-s", bad)  # a usage error before any engine starts
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
 
 
 def test_bench_refit_unsupported_level(tiny_model):
