@@ -70,10 +70,13 @@ def _check_idle(value: float) -> float:
 def _idle_seconds(text: str) -> float:
     """``--idle-s`` as argparse reads it: a bad value is a usage error (exit status 2)."""
     try:
-        return _check_idle(float(text))
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--idle-s wants seconds, got {text!r}") from None
+    try:
+        return _check_idle(value)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc) if "--idle-s" in str(exc)
-                                         else f"--idle-s wants seconds, got {text!r}") from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: Any) -> dict[str, Any]:
