@@ -74,6 +74,27 @@ def test_one_set_pushes_rewrite_the_same_tensors_and_land(tiny_model):
 
 
 @pytest.mark.transformers
+def test_idle_before_each_push_is_untimed(tiny_model):
+    """``--idle-s``: each push waits first (the trainer's step, here after the requests of
+    ``--generate-between``); the wait is in the run's wall time, in no push's time, and every push
+    still lands."""
+    import time
+
+    from rollout_engines.bench.push import run
+
+    t0 = time.perf_counter()
+    result = run({"backend": "transformers", "model": str(tiny_model), "pushes": 2, "warmup": 1, "transport": "shm",
+                  "bucket_mb": 1, "option": ["dtype=\"float32\""], "generate_between": True, "idle_s": 0.4})
+    wall = time.perf_counter() - t0
+    assert result["idle_s"] == 0.4 and result["generate_between_pushes"] is True
+    assert wall >= 3 * 0.4  # one warm-up and two timed pushes, each after its pause
+    assert all(t < 0.4 for t in result["push_times_s"])  # a tiny model's push takes milliseconds
+    assert result["perturbed_push_changed_weights"] is True and result["original_push_restored_weights"] is True
+    with pytest.raises(ValueError, match=r"--idle-s must be >= 0, got -1\.0"):
+        run({"backend": "transformers", "model": str(tiny_model), "idle_s": -1})
+
+
+@pytest.mark.transformers
 def test_lora_push_benchmark_pushes_adapters_that_land(tiny_model):
     """``--lora-rank``: the timed pushes are adapter pushes, sized by the rank; the engine lists the
     last version and the adapter changes greedy outputs (exact on the tiny float32 model)."""

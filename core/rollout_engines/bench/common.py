@@ -25,6 +25,25 @@ def p90(values: list[float]) -> float:
     return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
+def check_idle(value: float) -> float:
+    """An ``--idle-s`` value (seconds of an untimed pause): refuse a negative one or NaN."""
+    if not value >= 0:  # NaN too
+        raise ValueError(f"--idle-s must be >= 0, got {value}")
+    return value
+
+
+def idle_seconds(text: str) -> float:
+    """``--idle-s`` as argparse reads it: a bad value is a usage error (exit status 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--idle-s wants seconds, got {text!r}") from None
+    try:
+        return check_idle(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def arg(args: Any, name: str, default: Any) -> Any:
     """``args.name`` (an argparse namespace) or ``args[name]`` (a dict), ``default`` when unset."""
     value = args.get(name) if isinstance(args, Mapping) else getattr(args, name, None)

@@ -11,6 +11,9 @@ them in order (a full collection of Python's collector, a slow machine: the tail
 With ``--one-set`` the trainer keeps one set of tensors on its device and rewrites it before each
 push (untimed) from the two sets in host memory, as an optimizer step rewrites its parameters: a
 model whose two sets do not fit beside the engine on one GPU (``trainer_sets`` says which).
+``--generate-between`` runs a request after every push (as an RL loop's rollouts do); ``--idle-s``
+waits, untimed, before each push (a trainer's step: a push right after a request also times the
+engine and its client finishing it).
 
 Correctness is checked on the way with the weights fingerprint of the engine's
 ``diagnostics(fingerprint=True)`` when it makes one (vLLM on CUDA: the workers' parameter sums),
@@ -44,6 +47,8 @@ from .common import (
     PushBench,
     add_push_arguments,
     arg,
+    check_idle,
+    idle_seconds,
     memcpy_gbps,
     p90,
     push_weights,
@@ -56,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generate-between", action="store_true",
                         help="generate a small batch after every push (untimed), as an RL loop does, so each "
                         "push also pays the engine's prefix-cache reset")
+    parser.add_argument("--idle-s", type=idle_seconds, default=0.0, metavar="SECONDS",
+                        help="seconds before each push, untimed: the trainer's step (after the requests of "
+                        "--generate-between); a push right after a request also times the engine and its "
+                        "client finishing that request")
     parser.add_argument("--lora-rank", type=int, default=None,
                         help="push a LoRA adapter of this rank (WeightSync.push_lora) instead of the full weights; "
                         "vLLM needs --option enable_lora=true and max_lora_rank >= the rank")
@@ -94,6 +103,7 @@ def run(args: Any) -> dict[str, Any]:
     from ..types import GenerateRequest, SamplingParams
     from ..weights.session import connect_weight_sync
 
+    idle_s = check_idle(float(arg(args, "idle_s", 0.0)))  # before an engine starts
     bench = PushBench.start(args, checksum="pos64")
     engine, model = bench.engine, bench.model
     pushes = max(1, int(arg(args, "pushes", 6)))
@@ -119,6 +129,8 @@ def run(args: Any) -> dict[str, Any]:
             try:
                 for i in range(warmup + pushes):
                     tensors = weights.use(changed if i % 2 == 0 else original)  # untimed
+                    if idle_s:
+                        await asyncio.sleep(idle_s)  # untimed: the trainer's step
                     if weights.device == "cuda":
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()
@@ -173,6 +185,7 @@ def run(args: Any) -> dict[str, Any]:
         "options": bench.options,
         "transport_options": bench.transport_options,
         "generate_between_pushes": between,
+        "idle_s": idle_s,
         "phases_median_s": _median_phases(phases, skip_first=not warmup),
         "engine_extra": extra,
     }

@@ -42,6 +42,8 @@ from .common import (
     PushBench,
     add_push_arguments,
     arg,
+    check_idle,
+    idle_seconds,
     p90,
     push_weights,
 )
@@ -56,31 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap-kv", action="store_true",
                         help="wake the KV cache while the push runs (asyncio.gather of the two); "
                         "refit is then wake_weights + push_and_kv, and push / wake_kv are each call's own time")
-    parser.add_argument("--idle-s", type=_idle_seconds, default=0.0, metavar="SECONDS",
+    parser.add_argument("--idle-s", type=idle_seconds, default=0.0, metavar="SECONDS",
                         help="seconds between each cycle's sleep and its wake-up, untimed: the trainer's step; "
                         "a wake-up right after a sleep also times the driver finishing the release")
 
 
-def _check_idle(value: float) -> float:
-    if not value >= 0:  # NaN too
-        raise ValueError(f"--idle-s must be >= 0, got {value}")
-    return value
-
-
-def _idle_seconds(text: str) -> float:
-    """``--idle-s`` as argparse reads it: a bad value is a usage error (exit status 2)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--idle-s wants seconds, got {text!r}") from None
-    try:
-        return _check_idle(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def run(args: Any) -> dict[str, Any]:
-    idle_s = _check_idle(float(arg(args, "idle_s", 0.0)))
+    idle_s = check_idle(float(arg(args, "idle_s", 0.0)))
 
     import torch
 
