@@ -1,0 +1,42 @@
+"""`benchmarks/cpu_drift.py`: the host-CPU probe runs anywhere and reports what it says it does."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_drift.py"
+_spec = importlib.util.spec_from_file_location("cpu_drift", _PATH)
+assert _spec and _spec.loader
+cpu_drift = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cpu_drift)
+
+
+def test_probe_reports_each_pause_and_the_spread_over_rounds(capsys):
+    result = cpu_drift.main(["--pauses", "0,0.02", "--rounds", "2", "--repeats", "2"])
+    assert json.loads(capsys.readouterr().out) == result
+    assert len(result["rounds"]) == 2
+    for r in result["rounds"]:
+        assert r["hot_loop_us"] > 0
+        assert len(r["after_0s_loop_us"]) == 3 and len(r["after_0.02s_loop_us"]) == 3
+        assert all(v > 0 for v in r["after_0.02s_loop_us"])
+        assert r["thread_wake_us"]["back_to_back"] > 0 and r["thread_wake_us"]["after_0.02s"] > 0
+    hot = [r["hot_loop_us"] for r in result["rounds"]]
+    assert result["hot_loop_us_min"] == min(hot) and result["hot_loop_us_max"] == max(hot)
+
+
+def test_a_negative_pause_is_a_usage_error():
+    proc = subprocess.run([sys.executable, str(_PATH), "--pauses", "0.1,-1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--pauses must be seconds >= 0" in proc.stderr
+
+
+@pytest.mark.parametrize("n", [1000, 5000])
+def test_the_loop_takes_longer_for_more_work(n):
+    short = min(cpu_drift.loop_s(n) for _ in range(5))
+    longer = min(cpu_drift.loop_s(n * 20) for _ in range(5))
+    assert longer > short
