@@ -11,7 +11,8 @@ with it, and so do push figures from run to run on one machine. This probe print
   after the longest pause.
 
 Run it several times in one go (``--rounds``): the spread of ``hot_loop_us`` across rounds is the
-drift. ``python benchmarks/cpu_drift.py --rounds 3``
+drift. ``bench push`` and ``bench weight-sync`` sample the same loop during a run (``host_loop_us``).
+``python benchmarks/cpu_drift.py --rounds 3``
 """
 
 from __future__ import annotations
@@ -22,14 +23,7 @@ import statistics
 import threading
 import time
 
-
-def loop_s(n: int = 20000) -> float:
-    """Seconds for one small pure-Python loop."""
-    t = time.perf_counter()
-    s = 0
-    for i in range(n):
-        s += i
-    return time.perf_counter() - t
+from rollout_engines.bench.common import python_loop_s as loop_s  # what bench push samples too
 
 
 def wake_s() -> float:

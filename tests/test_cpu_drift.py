@@ -37,6 +37,16 @@ def test_a_negative_pause_is_a_usage_error():
 
 @pytest.mark.parametrize("n", [1000, 5000])
 def test_the_loop_takes_longer_for_more_work(n):
-    short = min(cpu_drift.loop_s(n) for _ in range(5))
-    longer = min(cpu_drift.loop_s(n * 20) for _ in range(5))
+    from rollout_engines.bench.common import python_loop_s
+
+    short = min(python_loop_s(n) for _ in range(5))
+    longer = min(python_loop_s(n * 20) for _ in range(5))
     assert longer > short
+
+
+def test_host_speed_reports_median_fastest_and_slowest():
+    from rollout_engines.bench.common import host_speed
+
+    assert host_speed([0.0009, 0.0004, 0.0006]) == {"median": 600.0, "min": 400.0, "max": 900.0}
+    assert host_speed([0.0004, 0.0006]) == {"median": 500.0, "min": 400.0, "max": 600.0}
+    assert host_speed([]) == {}

@@ -32,6 +32,9 @@ def test_push_benchmark_times_pushes_that_land(tiny_model):
     assert result["engine_extra"]["weights"] and result["engine_extra"]["device"] == "cpu"  # what info() said
     # The same-run baseline: one copy of the state on the trainer's device; ratio relates the two.
     assert result["device_copy_gbps"] > 0
+    # The host's Python speed, sampled beside that baseline: what the CPU-bound phases move with.
+    speed = result["host_loop_us"]
+    assert set(speed) == {"median", "min", "max"} and 0 < speed["min"] <= speed["median"] <= speed["max"]
     # gbps and the copy's rate are rounded to 0.01: on a slow, busy CPU that alone is a few percent.
     rounding = 0.005 * (1 + result["ratio"]) / result["device_copy_gbps"]
     assert result["ratio"] == pytest.approx(result["gbps"] / result["device_copy_gbps"], rel=0.02, abs=rounding + 1e-3)

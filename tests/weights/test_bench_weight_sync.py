@@ -30,6 +30,9 @@ def test_shm_bench_reports_a_verified_ratio(extra):
     assert r["baseline_kind"] == "memcpy" and r["baseline"] > 0
     assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline"], abs=0.002)
     assert r["seconds"] == min(r["pushes"][1:]) and len(r["pushes"]) == 3
+    # the host's Python speed, sampled beside each baseline (3 pushes: 3 samples)
+    speed = r["host_loop_us"]
+    assert set(speed) == {"median", "min", "max"} and 0 < speed["min"] <= speed["median"] <= speed["max"]
     # both sides' account of the last push: the trainer's stream and the receiver's own timings
     sent, got = r["sender_timings_last_push"], r["receiver_timings_last_push"]
     assert 0 < sent["first_bucket"] <= sent["stream"] <= r["pushes"][-1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -240,3 +241,22 @@ def memcpy_gbps(nbytes: int, device: Any, repeats: int = 5, chunk_bytes: int = 1
         best = min(best, time.perf_counter() - start)
     del src, dst
     return nbytes / best / 1e9
+
+
+def python_loop_s(n: int = 20000) -> float:
+    """Seconds for one small pure-Python loop: how fast the host runs Python right now."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(n):
+        total += i
+    return time.perf_counter() - start
+
+
+def host_speed(samples: list[float]) -> dict[str, float]:
+    """``python_loop_s`` samples taken during a run, in microseconds (median, fastest, slowest): a
+    run's CPU-bound phases (Python, thread hand-offs) move with them, so two runs' figures compare
+    best where these agree (``benchmarks/cpu_drift.py`` shows the host's drift on its own)."""
+    if not samples:
+        return {}
+    us = [s * 1e6 for s in samples]
+    return {"median": round(statistics.median(us), 1), "min": round(min(us), 1), "max": round(max(us), 1)}

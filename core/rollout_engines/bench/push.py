@@ -24,6 +24,9 @@ after pushing the originals it is equal again.
 ``device_copy_gbps`` is measured in the same run, between pushes (the best of those measurements):
 one copy of the state's bytes on the trainer's device, in chunks of at most 1 GiB; ``ratio`` =
 ``gbps`` / ``device_copy_gbps`` (1.0: a push as fast as copying the weights once on the device).
+``host_loop_us`` is the host's Python speed, sampled beside that baseline (one small loop; median,
+fastest, slowest in microseconds): a push's CPU-bound phases move with it, so two runs' figures
+compare best where it agrees.
 
 ``phases_median_s`` reports what the engine's :meth:`~rollout_engines.engine.EngineProtocol.diagnostics`
 says of each push: the RPC into its workers, worker 0's own timings, the prefix-cache reset.
@@ -48,10 +51,12 @@ from .common import (
     add_push_arguments,
     arg,
     check_idle,
+    host_speed,
     idle_seconds,
     memcpy_gbps,
     p90,
     push_weights,
+    python_loop_s,
 )
 
 
@@ -118,6 +123,8 @@ def run(args: Any) -> dict[str, Any]:
 
         extra: dict[str, Any] = {}
 
+        loops: list[float] = []  # the host's Python speed, sampled between pushes
+
         async def go() -> tuple[list[float], list[dict[str, float]], bool, bool, list[float]]:
             start_print = await fingerprint()
             sync = await connect_weight_sync([engine], transport, bucket_bytes=bench.bucket_bytes, timeout_s=600,
@@ -144,6 +151,7 @@ def run(args: Any) -> dict[str, Any]:
                         differs = await fingerprint() != start_print
                     if i >= warmup and ((i - warmup) % 2 == 1 or pushes == 1):  # the same-run baseline, between pushes
                         copies.append(memcpy_gbps(weights.total_bytes, weights.device, repeats=2))
+                        loops.append(python_loop_s())  # where the copy's baseline is: untimed, beside it
                 await sync.push(weights.use(original), version=engine.weight_version + 1)
                 same = await fingerprint() == start_print
                 extra.update(scalar_extras((await engine.info()).extra))  # while the transfer is open
@@ -186,6 +194,7 @@ def run(args: Any) -> dict[str, Any]:
         "transport_options": bench.transport_options,
         "generate_between_pushes": between,
         "idle_s": idle_s,
+        "host_loop_us": host_speed(loops),
         "phases_median_s": _median_phases(phases, skip_first=not warmup),
         "engine_extra": extra,
     }

@@ -46,7 +46,7 @@ from ..engine import Capabilities, Engine, EngineProtocol
 from ..types import Completion, EngineConfig, GenerateRequest
 from ..weights.copies import SteadyCopier
 from ..weights.manifest import TensorSpec, TransportSpec, WeightManifest
-from .common import memcpy_gbps
+from .common import host_speed, memcpy_gbps, python_loop_s
 
 GPU_TRANSPORTS = ("cuda_ipc", "nccl")
 
@@ -308,7 +308,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             checksum=args.checksum, options=options, progress=False, delta=fraction is not None,
         )
         result["bucket_mb"] = sync.bucket_bytes / 2**20
-        times, baselines = [], []
+        times, baselines, loops = [], [], []
         for version in range(args.repeats + 1):
             if fraction is not None and version:
                 result["changed_elements"] = change_elements(state, fraction, seed=version)
@@ -317,6 +317,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             sent.append(sync.last_push_bytes)
             # The limit, measured between pushes, so both see the same machine (load changes).
             baselines.append(memcpy_gbps(nbytes, device, repeats=2))
+            loops.append(python_loop_s())  # the host's Python speed, beside the baseline
         infos = [await e.info() for e in engines]
         send_timings = dict(sync.last_send_timings)
         await sync.close()
@@ -341,6 +342,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         seconds=round(best, 4), first_push_seconds=round(times[0], 4), gbps=round(gbps, 3),
         baseline=round(baseline, 3), baseline_kind="device-to-device copy" if gpu else "memcpy",
         ratio=round(gbps / baseline, 3), pushes=[round(t, 4) for t in times], verified=verified,
+        host_loop_us=host_speed(loops),
     )
     if any(o is not None for o in opened):
         result["handles_opened"] = opened
