@@ -97,11 +97,25 @@ class Doorbell:
 
     def claim(self) -> bool:
         """Mark a ring as starting; False if one is in progress or the doorbell is broken. The
-        caller checks that the engine is idle in the same critical section."""
+        caller checks that the engine is idle in the same critical section (or after claiming:
+        then :meth:`release` if it is not)."""
         if self.broken is not None or self._busy.is_set():
             return False
         self._busy.set()
         return True
+
+    def release(self) -> None:
+        """End a claim made for :meth:`ring_now` (:meth:`ring` releases its own)."""
+        self._busy.clear()
+
+    def ring_now(
+        self, wire: Mapping[str, Any], *, timeout_s: float, check: Callable[[], None],
+    ) -> list[dict[str, Any]]:
+        """:meth:`ring` on the caller's thread, for a caller that hands one update over in several
+        rings (e.g. one per bucket) and so holds one :meth:`claim` around all of them: busy stays
+        set until :meth:`release`."""
+        header, stale = self._post(wire)
+        return self._answers(header, stale, timeout_s, check)
 
     async def ring(
         self, wire: Mapping[str, Any], *, timeout_s: float, check: Callable[[], None],

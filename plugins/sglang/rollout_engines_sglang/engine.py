@@ -57,7 +57,11 @@ dtype before anything is applied):
   ``load_format="flattened_bucket"`` loads each bucket through ``load_weights``. With option
   ``forward_buckets`` (on by default) a ``cuda_ipc`` bucket of the trainer's
   own GPU tensors is forwarded to the loader, not staged: it opens the trainer's memory itself
-  (see :class:`_RelayTarget`).
+  (see :class:`_RelayTarget`). With option ``direct_receive`` (on by default) the relay hands
+  forwarded buckets to the loader through a doorbell on the weight-sync store
+  (:mod:`rollout_engines.weights.doorbell`, a thread in SGLang's scheduler process, see
+  :mod:`.loader`) instead of ``update_weights_from_tensor``, while no request runs: requests that
+  come meanwhile wait until the update is loaded.
 
 SGLang applies updates in place. If an update fails after any bucket reached SGLang, the engine
 refuses to generate (``WeightsInvalidated``) until the next complete push.
@@ -98,6 +102,7 @@ from rollout_engines.errors import (
     WeightsInvalidated,
     WeightSyncError,
 )
+from rollout_engines.proxy import raise_for_workers
 from rollout_engines.types import (
     MAX_LORA_RANK,
     Completion,
@@ -110,6 +115,7 @@ from rollout_engines.types import (
     SamplingParams,
     StreamDelta,
 )
+from rollout_engines.weights.doorbell import Doorbell, has_store, new_door
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, validate_manifest
 
 from . import translate
@@ -131,6 +137,8 @@ FAILURE_POLL_S = 0.25
 KEPT_DRAIN_MAX_S = 2.0
 #: How often a suspended sequence checks for resume, its abort, or the engine's end.
 KEPT_POLL_S = 0.005
+#: How often a call into SGLang looks whether an update handed over by the doorbell is loaded.
+DOOR_NAP_S = 0.0005
 T = TypeVar("T")
 
 
@@ -173,6 +181,14 @@ class SglangOptions(BaseModel):
         "to the plugin's loader (copy_plan), which reads the trainer's memory itself (one copy per push instead of "
         "two), instead of staging it; where the loader cannot open that memory it stages as before. 0.92 of vLLM's "
         "push rate on one H100 (benchmarks/RESULTS.md); False: always stage.",
+    )
+    direct_receive: bool = Field(
+        default=True,
+        description="Forwarded buckets (forward_buckets) reach the plugin's loader through a doorbell on the "
+        "weight-sync store (a thread in SGLang's scheduler process; rollout_engines.weights.doorbell) instead of "
+        "SGLang's update_weights_from_tensor (tokenizer manager, scheduler queue), while no request runs; "
+        "requests that come meanwhile wait. Sets SGLang's sleep_on_idle unless passed (an idle scheduler that "
+        "spins holds the GIL the doorbell's thread needs). info().extra['direct_receives'] counts its updates.",
     )
     weight_quantization: Literal["none", "fp8_block"] = Field(
         default="none",
@@ -273,6 +289,10 @@ def server_kwargs(config: EngineConfig, opts: SglangOptions, model_path: str | N
     check_passed_options(extra, _server_args(), library="sglang ServerArgs", own=SglangOptions.model_fields,
                          set_here={key: _SET_HERE[key] for key in kw if key in _SET_HERE})
     kw.update(extra)
+    if opts.direct_receive and opts.copy_plan and opts.forward_buckets and "sleep_on_idle" not in extra:
+        # Between requests SGLang's scheduler loops in Python unless it sleeps on its sockets; the
+        # doorbell's thread in that process would wait for the GIL on every step of a load.
+        kw["sleep_on_idle"] = True
     if opts.copy_plan:
         from .loader import LOADER
 
@@ -704,7 +724,9 @@ class SglangEngine(Engine):
 
     async def _unless_failed(self, call: Awaitable[T]) -> T:
         """Await ``call``, but give up with :class:`EngineUnavailable` once a worker process has
-        failed: SGLang never answers requests that were in flight on a dead scheduler."""
+        failed: SGLang never answers requests that were in flight on a dead scheduler. Nothing
+        goes to SGLang while the doorbell hands it an update (:meth:`_claim_door`)."""
+        await self._door_idle()
         task = asyncio.ensure_future(call)
         while True:
             done, _ = await asyncio.wait({task}, timeout=FAILURE_POLL_S)
@@ -713,6 +735,30 @@ class SglangEngine(Engine):
             if self._failed:
                 task.cancel()
                 raise EngineUnavailable(self._failed)
+
+    def _door(self) -> Doorbell | None:
+        t = self._transfer
+        target = t.receiver.target if t is not None and t.receiver is not None else None
+        return target.door if isinstance(target, _RelayTarget) else None
+
+    async def _door_idle(self) -> None:
+        """Wait while the doorbell hands SGLang an update (bounded by the update's timeout: the
+        ring ends on the relay's thread either way)."""
+        door = self._door()
+        while door is not None and door.busy:
+            await asyncio.sleep(DOOR_NAP_S)
+
+    def _claim_door(self, target: _RelayTarget) -> bool:
+        """Claim the relay's doorbell for one update if nothing runs in SGLang. The claim is made
+        first and the requests counted after: a request counts itself before it looks at the
+        doorbell (:meth:`_unless_failed`), so one of the two sees the other."""
+        door = target.door
+        if door is None or not self.options.direct_receive or not door.claim():
+            return False
+        if self._outstanding or self._live:
+            door.release()
+            return False
+        return True
 
     # ---- memory and scheduling ------------------------------------------------------------------
     async def _sleep(self, level: int, tags: Sequence[str]) -> None:
@@ -882,7 +928,7 @@ class SglangEngine(Engine):
         if spec.transport == "disk":
             receiver = WeightReceiver(_VerifyOnly(self.expected_specs()), device="cpu", mode="inplace", label="sglang")
         else:
-            target = _RelayTarget(self, self._relay_device())
+            target = _RelayTarget(self, self._relay_device(), spec)
             receiver = WeightReceiver(target, device=target.device, mode="inplace", label="sglang")
         await asyncio.to_thread(receiver.connect, spec)
         self._transfer = _Transfer(spec, receiver=receiver)
@@ -956,13 +1002,27 @@ class SglangEngine(Engine):
         assert isinstance(target, _RelayTarget)
         target.loop, target.timeout_s = asyncio.get_running_loop(), t.spec.timeout_s
         await self._select_specs(t, manifest, relayed=True)
+        target.version, target.rang = manifest.version, False
+        target.ringing = direct = self._claim_door(target)
+        receiver, door = t.receiver, target.door
+
+        def receive() -> None:  # the claim ends on this thread, also if the caller is cancelled
+            try:
+                receiver.receive(manifest)
+            finally:
+                if direct and door is not None:
+                    target.ringing = False
+                    door.release()
+
         try:
-            await asyncio.to_thread(t.receiver.receive, manifest)
+            await asyncio.to_thread(receive)
         except WeightsInvalidated as exc:
             self._invalidate(str(exc))
             raise
-        # The host's receiver: 'apply' is staging plus SGLang's update_weights_from_tensor.
-        self._last_receive = LastReceive(version=manifest.version, workers=[ReceiveTimings.of(t.receiver.last_timings)])
+        # The host's receiver: 'apply' is staging plus SGLang's update_weights_from_tensor (or the
+        # doorbell's ring).
+        self._last_receive = LastReceive(version=manifest.version, direct=direct and target.rang,
+                                         workers=[ReceiveTimings.of(t.receiver.last_timings)])
 
     async def _select_specs(self, t: _Transfer, manifest: WeightManifest, *, relayed: bool) -> None:
         """Set what the receiver's target checks ``manifest`` against; a push the engine cannot take
@@ -1036,6 +1096,8 @@ class SglangEngine(Engine):
             # loader (cuda_ipc, the trainer's tensors) or staged in its buffer.
             "relay_forwarded_buckets": relay.forwarded if isinstance(relay, _RelayTarget) else None,
             "relay_staging_bytes": relay.staging_bytes if isinstance(relay, _RelayTarget) else None,
+            # Updates whose forwarded buckets went through the doorbell (option direct_receive).
+            "direct_receives": relay.direct_receives if isinstance(relay, _RelayTarget) else None,
         }
 
     async def _close(self) -> None:
@@ -1089,9 +1151,14 @@ class _RelayTarget:
     With option ``forward_buckets``, a bucket of the trainer's own tensors shared without packing
     (``cuda_ipc``) is forwarded, not staged, where SGLang runs the loader with one TP rank that can
     open the trainer's memory on its GPU (asked once, see :data:`.loader.PROBE`) and nothing is
-    quantized here: the loader then reads the trainer's memory itself (:func:`.loader.shared_views`)."""
+    quantized here: the loader then reads the trainer's memory itself (:func:`.loader.shared_views`).
 
-    def __init__(self, engine: SglangEngine, device: str) -> None:
+    With option ``direct_receive`` the relay starts a doorbell listener in SGLang's scheduler
+    process after its first forwarded bucket (:data:`.loader.DOOR_PREFIX`) and, for updates the
+    engine claimed the doorbell for (:attr:`ringing`: nothing runs in SGLang), hands forwarded
+    buckets to it through the session's store."""
+
+    def __init__(self, engine: SglangEngine, device: str, spec: TransportSpec) -> None:
         import torch
 
         from .loader import LOADER
@@ -1114,6 +1181,15 @@ class _RelayTarget:
         self.forwarded = 0
         self._mapped = False  # whether SGLang's loader may hold the trainer's memory open
         self._names: dict[tuple[Any, ...], str] = {}  # forwarded buckets' names, by what they carry
+        self.spec = spec
+        #: The doorbell to the loader's listener (option direct_receive), once started.
+        self.door: Doorbell | None = None
+        self._door_tried = False
+        #: Set by the engine per update: its version, whether the doorbell is claimed for it, and
+        #: whether a bucket went through it.
+        self.version, self.ringing, self.rang = 0, False, False
+        #: Updates of this weight transfer that went through the doorbell.
+        self.direct_receives = 0
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
         return self.specs
@@ -1164,9 +1240,44 @@ class _RelayTarget:
                 self._names.clear()
             name = self._names[key] = shared_name(index, shared.device_uuid, shared.description, placements)
         self._mapped = True
-        self._call([runtime.serialize([(name, self._token)])])
+        if self.ringing and self.door is not None:
+            self._ring(name)
+        else:
+            self._call([runtime.serialize([(name, self._token)])])
+            self._start_door()
         self.forwarded += 1
         return True
+
+    def _start_door(self) -> None:
+        """Start the loader's doorbell listener (once per weight transfer; where the transport has a
+        store): later updates may ring it."""
+        if self._door_tried or not self.engine.options.direct_receive or not has_store(self.spec):
+            return
+        from .loader import door_name
+
+        self._door_tried = True
+        door, rank = new_door(), self.spec.rank_offset
+        try:
+            self._call([self.engine.runtime.serialize([(door_name(self.spec.model_dump_json(), door, rank), self._token)])])
+            self.door = Doorbell(self.spec, door, [rank])
+        except Exception as exc:  # noqa: BLE001 - the pushes still work, through SGLang's call
+            logger.warning("sglang: direct_receive: no doorbell to SGLang's loader (%s); pushes use "
+                           "update_weights_from_tensor", exc)
+
+    def _ring(self, name: str) -> None:
+        """Hand one forwarded bucket to the loader's listener and wait for its answer."""
+        assert self.door is not None
+
+        def check() -> None:
+            if self.engine._failed:
+                raise EngineUnavailable(self.engine._failed)
+
+        answers = self.door.ring_now({"version": self.version, "layout": name}, timeout_s=self.timeout_s, check=check)
+        raise_for_workers(answers, f"loading a forwarded bucket of update v{self.version}", applies_weights=False,
+                          worker="SGLang scheduler")
+        if not self.rang:
+            self.rang = True
+            self.direct_receives += 1
 
     def apply(self, named: Sequence[tuple[str, Any]], *, owned: bool) -> None:
         from .payloads import Stager, loader_payloads, serialize_per_rank
@@ -1222,6 +1333,10 @@ class _RelayTarget:
                 logger.warning("SGLang's loader did not let go of the staging buffer: %s", exc)
         if unmap:
             self._mapped, self._forwards, self._token = False, None, None
+        door = self.door
+        if shared and door is not None:  # the loader stopped its listener on FORGET_ALL
+            self.door, self._door_tried = None, False
+            await asyncio.to_thread(door.close)
         del stager, buffer
         if self.device.type == "cuda":
             import torch

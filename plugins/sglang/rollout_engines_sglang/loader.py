@@ -36,6 +36,16 @@ trainer's GPU) fails unless this rank is on that GPU and can open such memory: t
 before it forwards. :data:`FORGET_ALL` also unmaps the trainer's memory (the relay sends it when
 its weight transfer closes).
 
+**A doorbell for forwarded buckets** (the engine's option ``direct_receive``): a :data:`DOOR_PREFIX`
+entry starts a :class:`~rollout_engines.weights.doorbell.DoorbellListener` in this process, a
+thread on the weight-sync session's store (the entry names the transfer's spec, the door and the
+relay's rank). The relay then hands each forwarded bucket's name to it through the store instead
+of SGLang's ``update_weights_from_tensor`` (tokenizer manager, scheduler queue, the answer back):
+the thread loads it as :func:`load_bucket` would and answers. The relay rings only while no
+request runs in SGLang and lets none start until every bucket is loaded; this module's lock keeps
+a load by SGLang's call and one by the doorbell apart. :data:`FORGET_ALL` (or another door) stops
+the thread.
+
 This module is imported inside SGLang's scheduler processes: keep it to torch and the core.
 """
 
@@ -43,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +62,8 @@ from typing import Any, NamedTuple
 import torch
 from rollout_engines.weights.buckets import torch_dtype
 from rollout_engines.weights.copy_plan import CopyPlan, PlannedLoader
-from rollout_engines.weights.manifest import TensorSpec
+from rollout_engines.weights.doorbell import DoorbellListener
+from rollout_engines.weights.manifest import TensorSpec, TransportSpec
 from rollout_engines.weights.transports._cuda_segments import SegmentImporter, available, steady
 from rollout_engines.weights.transports.cuda_ipc import device_uuid
 
@@ -70,6 +82,8 @@ SHARED_PREFIX = "rollout_engines.shared:"
 PROBE = "rollout_engines.probe:"
 #: Like :data:`FORGET`, and also unmap the trainer's memory opened for forwarded buckets.
 FORGET_ALL = "rollout_engines.forget_all"
+#: Start of a tensor name that starts this rank's doorbell listener (:func:`door_name`).
+DOOR_PREFIX = "rollout_engines.door:"
 
 
 @dataclass(frozen=True)
@@ -210,6 +224,62 @@ def shared_views(model: Any, name: str) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
+def door_name(spec_json: str, door: str, rank: int) -> str:
+    """The tensor name that starts a doorbell listener: the weight transfer's spec (JSON, with its
+    store's address and secret), the door's name and the relay's rank in the session."""
+    return DOOR_PREFIX + json.dumps({"spec": spec_json, "door": door, "rank": rank}, separators=(",", ":"))
+
+
+#: Held by every load, whether SGLang called the loader or the doorbell's thread did.
+_lock = threading.Lock()
+#: One doorbell listener per model (while its weight transfer is open).
+_doors: weakref.WeakKeyDictionary[Any, DoorbellListener] = weakref.WeakKeyDictionary()
+
+
+def stop_door(model: Any) -> None:
+    """Stop the doorbell listener of ``model`` (no-op without one)."""
+    listener = _doors.pop(model, None)
+    if listener is not None:
+        listener.close()
+
+
+def start_door(model: Any, name: str) -> None:
+    """Start a doorbell listener for ``model`` as ``name`` (:func:`door_name`) says, replacing one
+    started before; it joins the session's store before this returns (the relay rings next)."""
+    try:
+        body = json.loads(name[len(DOOR_PREFIX):])
+        spec = TransportSpec.model_validate_json(body["spec"])
+        door, rank = body["door"], body["rank"]
+        if not isinstance(door, str) or type(rank) is not int:
+            raise TypeError("door and rank must be a string and an integer")
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"malformed doorbell entry in a tensor name: {exc}") from exc
+    stop_door(model)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def setup() -> None:  # the CUDA device is per thread
+        if device is not None:
+            torch.cuda.set_device(device)
+
+    _doors[model] = DoorbellListener(
+        spec, door, rank=rank, receive=functools.partial(_door_receive, model), lock=_lock, setup=setup,
+    )
+
+
+def _door_receive(model: Any, wire: dict[str, Any]) -> dict[str, Any]:
+    """What the doorbell's thread runs (under :data:`_lock`): load the forwarded bucket the ring
+    names (its ``layout``: a :func:`shared_name`)."""
+    name = wire.get("layout")
+    if not isinstance(name, str) or not name.startswith(SHARED_PREFIX):
+        raise ValueError("a doorbell ring of SGLang's loader carries one forwarded bucket's name "
+                         f"(starting {SHARED_PREFIX!r}); got {str(name)[:40]!r}")
+    state = _forwarded.get(model)
+    token = state.token if state is not None else None
+    with torch.no_grad():  # grad mode is per thread; SGLang loads under no_grad
+        _load(model, [(name, token if token is not None else torch.zeros(1, dtype=torch.uint8))])
+    return {"ok": True, "version": wire.get("version")}
+
+
 def planned_loader(model: Any) -> PlannedLoader:
     """The :class:`PlannedLoader` of ``model`` (created on first use)."""
     loader = _loaders.get(model)
@@ -249,7 +319,21 @@ def forget(model: Any, *, shared: bool = False) -> None:
 
 def load_bucket(model: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     """SGLang's custom weight loader (``load_format=LOADER``): load the buckets in ``named_tensors``
-    (and any plain named tensors) into ``model``; a :data:`FORGET` entry drops what is kept."""
+    (and any plain named tensors) into ``model``; a :data:`FORGET` entry drops what is kept, a
+    :data:`DOOR_PREFIX` entry starts a doorbell listener, :data:`FORGET_ALL` also stops it."""
+    for name, _ in named_tensors:  # outside the lock: stopping waits for a ring in progress
+        if name == FORGET_ALL:
+            stop_door(model)
+        elif name.startswith(DOOR_PREFIX):
+            start_door(model, name)
+    named_tensors = [(n, t) for n, t in named_tensors if not n.startswith(DOOR_PREFIX)]
+    if not named_tensors:
+        return
+    with _lock:
+        _load(model, named_tensors)
+
+
+def _load(model: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     named: list[tuple[str, torch.Tensor]] = []
     forwarded = False
     for name, tensor in named_tensors:

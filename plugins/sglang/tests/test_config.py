@@ -20,12 +20,28 @@ def test_config_fields_and_passthrough_options() -> None:
         "enable_memory_saver": True, "log_level": "error", "context_length": 512, "base_gpu_id": 3,
         "mem_fraction_static": 0.4, "enable_deterministic_inference": True, "disable_cuda_graph": True,
         "custom_weight_loader": [LOADER],  # copy_plan, on by default
+        "sleep_on_idle": True,  # direct_receive, on by default: the doorbell's thread needs the GIL
     }
     assert capabilities_for(opts).seed is True
     # Plugin-only options never reach SGLang.
     opts = SglangOptions.model_validate({"relay_device": "cuda:1", "gpu_ids": [2, 3]})
     kw = server_kwargs(EngineConfig(backend="sglang", model="/m"), opts)
     assert "relay_device" not in kw and "gpu_ids" not in kw and "base_gpu_id" not in kw
+
+
+def test_sleep_on_idle_follows_direct_receive_unless_passed() -> None:
+    """The doorbell's thread in SGLang's scheduler needs the GIL, which SGLang's idle loop holds
+    unless it sleeps on its sockets: the plugin turns SGLang's sleep_on_idle on with the doorbell,
+    never against an explicit choice, and not where no bucket can go through the doorbell."""
+    config = EngineConfig(backend="sglang", model="/m")
+
+    def kw(**options):
+        return server_kwargs(config, SglangOptions.model_validate(options))
+
+    assert kw()["sleep_on_idle"] is True
+    assert kw(sleep_on_idle=False)["sleep_on_idle"] is False
+    for off in ({"direct_receive": False}, {"forward_buckets": False}, {"copy_plan": False}):
+        assert "sleep_on_idle" not in kw(**off)
 
 
 def test_cpu_device_is_refused_with_the_fix() -> None:

@@ -722,3 +722,74 @@ async def test_a_sequence_a_keep_pause_ends_at_its_last_token_is_finished_not_re
     assert len(fake.generate_calls) == 1, "the finished sequence was resubmitted"
     assert len(out.token_ids) == 4 and len(out.logprobs or []) == 4 and out.finish_reason == "length"
     assert out.text == fake.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+async def test_direct_receive_hands_forwarded_buckets_to_the_loaders_doorbell_while_nothing_runs(tiny_model, monkeypatch) -> None:
+    """Option ``direct_receive``: after its first forwarded bucket (through SGLang's call) the relay
+    starts the loader's doorbell listener, and an update the engine claimed the doorbell for (no
+    request outstanding) reaches the loader through the session's store, not through SGLang's call;
+    calls into SGLang wait meanwhile; with a request outstanding the claim is refused; closing the
+    transfer stops the listener. The listener runs in this process: the fake runtime calls the
+    plugin's real loader in-process, as SGLang's scheduler does in its own. FAKES besides the
+    runtime: the loader's two CUDA-only steps (the probe, and opening the trainer's memory, whose
+    views are CPU tensors registered here)."""
+    from rollout_engines.weights.manifest import plan_manifest, specs_of
+    from rollout_engines.weights.transports.cuda_ipc import SharedViews
+
+    views: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    states: dict[int, loader._Forwarded] = {}
+
+    class NoImporter:
+        def finish(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(loader, "probe", lambda model, name: None)
+    monkeypatch.setattr(loader, "shared_views", lambda model, name: views[name])
+    monkeypatch.setattr(loader, "_state", lambda model: states.setdefault(id(model), loader._Forwarded(NoImporter())))  # type: ignore[arg-type]
+    engine, fake = make(tiny_model, weight_loaders=(LOADER,), copy_plan=True, forward_buckets=True)
+    sync = await connect_weight_sync([engine], "shm")
+    try:
+        await sync.push(checkpoint(tiny_model), version=1)  # staged (shm): no doorbell yet
+        target = engine._transfer.receiver.target
+        assert target.door is None
+
+        def forward(tensors: dict[str, torch.Tensor], description: str) -> bool:
+            placements = plan_manifest(specs_of(list(tensors.items())), version=2).bucket_tensors(0)
+            views[loader.shared_name(0, "GPU-1", description, placements)] = [(p.name, tensors[p.name]) for p in placements]
+            shared = SharedViews([tensors[p.name] for p in placements], description, "GPU-1")
+            return target.apply_shared(0, placements, shared)
+
+        first, second = perturbed(checkpoint(tiny_model), 0.01), perturbed(checkpoint(tiny_model), 0.02)
+        calls = len(fake.load_formats)
+        assert await asyncio.to_thread(forward, first, '{"d":1}')
+        assert len(fake.load_formats) == calls + 3  # the probe, the bucket, the doorbell's start
+        assert target.door is not None and all(torch.equal(fake.weights[n], t) for n, t in first.items() if n in fake.weights)
+
+        assert engine._claim_door(target)
+        flushes = fake.flushes
+        waiting = asyncio.ensure_future(engine._unless_failed(fake.flush_cache()))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and fake.flushes == flushes  # nothing goes to SGLang while the doorbell is held
+        target.ringing, target.version = True, 2
+        calls = len(fake.load_formats)
+        assert await asyncio.to_thread(forward, second, '{"d":2}')
+        assert len(fake.load_formats) == calls  # through the store, not SGLang's call
+        assert all(torch.equal(fake.weights[n], t) for n, t in second.items() if n in fake.weights)
+        assert target.rang and target.direct_receives == 1
+        target.ringing = False
+        target.door.release()
+        await asyncio.wait_for(waiting, 5)
+        assert fake.flushes == flushes + 1
+
+        engine._outstanding += 1  # a request in flight: the update goes through SGLang's call
+        try:
+            assert not engine._claim_door(target) and not target.door.busy
+        finally:
+            engine._outstanding -= 1
+        assert (await engine.info()).extra["direct_receives"] == 1
+    finally:
+        await sync.close()
+    assert engine._transfer is None and not list(loader._doors.items())  # FORGET_ALL stopped the listener

@@ -188,7 +188,8 @@ def test_buckets_of_the_trainers_tensors_are_forwarded_not_staged(tiny_model, or
     forwards each bucket's description and SGLang's loader reads the trainer's memory itself (no
     staging buffer). Kept tensors and temporaries (unmapped after each bucket), in one bucket and
     in many, all land: the perturbed weights change the greedy tokens and the originals bring
-    them back."""
+    them back. Option ``direct_receive`` (on by default): every push after the first reaches the
+    loader through its doorbell (no request runs between them)."""
     from rollout_engines.weights.manifest import plan_manifest, specs_of
     from rollout_engines.weights.transports import _cuda_segments
 
@@ -210,17 +211,60 @@ def test_buckets_of_the_trainers_tensors_are_forwarded_not_staged(tiny_model, or
             target = engine._transfer.receiver.target
             buckets = len(plan_manifest(specs_of(list(on_gpu.items())), version=1, bucket_bytes=sync.bucket_bytes,
                                         transport="cuda_ipc", timeout_s=120).buckets)
-            return reference, seen, target.forwarded, target._stager, buckets
+            return reference, seen, target.forwarded, target._stager, buckets, target.direct_receives
         finally:
             await sync.close()
 
     try:
         for bucket_bytes in (None, 4096):
-            reference, seen, forwarded, stager, buckets = run(go(bucket_bytes))
+            reference, seen, forwarded, stager, buckets, direct = run(go(bucket_bytes))
             assert seen[1] == seen[3] == seen[5] == reference
             assert seen[0] == seen[2] == seen[4] != reference
             assert forwarded == 6 * buckets and stager is None
             assert (buckets > 1) == (bucket_bytes is not None)
+            assert direct == 5
+    finally:
+        run(engine.close())
+
+
+def test_a_push_while_a_request_runs_goes_through_sglangs_call(tiny_model, original):
+    """Option ``direct_receive``: the doorbell is used only while nothing runs in SGLang. A push
+    while a request is in flight goes through SGLang's own call (which waits for the request),
+    and every push lands either way."""
+    from rollout_engines.weights.transports import _cuda_segments
+
+    if not _cuda_segments.available():
+        pytest.skip("forwarded buckets need cuda-bindings")
+    engine = create_engine("sglang", model=str(tiny_model), dtype="bfloat16", **OPTIONS)
+    on_gpu = {n: t.cuda() for n, t in original.items()}
+    changed = {n: t.cuda() for n, t in perturbed(original, seed=5).items()}
+    long = GenerateRequest(prompt_token_ids=[[5, 6, 7]],
+                           sampling=SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+
+    async def go():
+        reference = await tokens(engine)
+        sync = await connect_weight_sync([engine], "cuda_ipc", timeout_s=120)
+        try:
+            await sync.push(changed, version=1)  # SGLang's call; starts the loader's doorbell
+            await sync.push(on_gpu, version=2)  # the doorbell
+            target = engine._transfer.receiver.target
+            assert target.direct_receives == 1 and await tokens(engine) == reference
+            running = asyncio.ensure_future(engine.generate(long))
+            await asyncio.sleep(0.2)
+            assert not running.done() and engine._outstanding == 1
+            await sync.push(changed, version=3)
+            assert target.direct_receives == 1
+            await running
+            after = await tokens(engine)
+            await sync.push(on_gpu, version=4)  # idle again: the doorbell
+            assert target.direct_receives == 2 and (await engine.info()).extra["direct_receives"] == 2
+            return reference, after, await tokens(engine)
+        finally:
+            await sync.close()
+
+    try:
+        reference, changed_tokens, back = run(go())
+        assert changed_tokens != reference and back == reference
     finally:
         run(engine.close())
 

@@ -6,9 +6,15 @@ and leave exactly the parameters ``load_weights`` would."""
 from __future__ import annotations
 
 import pickle
+import threading
 
 import pytest
 import torch
+from rollout_engines.errors import WeightSyncError
+from rollout_engines.proxy import raise_for_workers
+from rollout_engines.weights.doorbell import Doorbell, new_door
+from rollout_engines.weights.manifest import TensorSpec, TransportSpec
+from rollout_engines.weights.transports import _store
 from rollout_engines_sglang import loader, payloads
 
 H, KV, FF, VOCAB = 8, 4, 12, 16
@@ -265,3 +271,157 @@ def test_a_grown_buffer_makes_the_loader_forget_the_old_one() -> None:
         (blob,) = payloads.loader_payloads(flat, metadata, tp_size=1, forget_first=forget_first)
         loader.load_bucket(model, pickle.loads(blob))
         assert len(loader._kept[model]) == 1  # only the buffer of this push
+
+
+# ---- the doorbell (option direct_receive) -----------------------------------------------------------
+# A DOOR_PREFIX entry, handed to the loader as SGLang's scheduler hands it a payload, starts a
+# listener thread on a real weight-sync store; the relay's Doorbell then rings it with a forwarded
+# bucket's name and the thread loads it into the model, answering through the store. Opening the
+# trainer's CUDA memory cannot happen on a CPU: ``shared_views`` is replaced by a fake that returns
+# CPU tensors for the forwarded bucket (fake_shared_views); everything else is the loader's own
+# code, on its own thread.
+RANK = 1
+
+
+@pytest.fixture
+def spec():
+    store, options = _store.host_store({}, 30.0)
+    yield TransportSpec(transport="cuda_ipc", session_id="s" * 16, rank_offset=RANK, world_size=2, timeout_s=30.0,
+                        options=options)
+    del store
+
+
+@pytest.fixture
+def fake_shared_views(monkeypatch):
+    """A FAKE for the one CUDA-only step: the views a forwarded bucket's name maps to (the
+    trainer's memory, opened through CUDA IPC by the loader's segment importer) are CPU tensors
+    registered under that name here, and the importer maps and unmaps nothing."""
+    tensors: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    calls: list[str] = []
+    states: dict[int, loader._Forwarded] = {}
+
+    class NoImporter:
+        def finish(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    def shared_views(model, name):  # noqa: ANN001, ANN202
+        calls.append(threading.current_thread().name)
+        return tensors[name]
+
+    def state(model):  # noqa: ANN001, ANN202
+        return states.setdefault(id(model), loader._Forwarded(NoImporter()))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader, "shared_views", shared_views)
+    monkeypatch.setattr(loader, "_state", state)
+    return tensors, calls
+
+
+def forwarded(tensors: dict[str, list[tuple[str, torch.Tensor]]], version: int) -> str:
+    """A forwarded bucket's name carrying checkpoint ``version`` (its views registered with the fake)."""
+    named = list(_checkpoint(version).items())
+    placements = [TensorSpec(name=n, dtype="bfloat16", shape=tuple(t.shape)) for n, t in named]
+    name = loader.shared_name(0, "GPU-fake", f'{{"v":{version}}}', placements)
+    tensors[name] = named
+    return name
+
+
+def reference(version: int) -> Qwen2LikeSglang:
+    model = Qwen2LikeSglang()
+    model.load_weights(list(_checkpoint(version).items()))
+    return model
+
+
+def ring(bell: Doorbell, name: str, version: int) -> None:
+    assert bell.claim()
+    try:
+        answers = bell.ring_now({"version": version, "layout": name}, timeout_s=10, check=lambda: None)
+    finally:
+        bell.release()
+    raise_for_workers(answers, "a ring", applies_weights=False, worker="SGLang scheduler")
+
+
+def test_a_door_entry_starts_a_listener_that_loads_rung_buckets_until_forget_all(spec, fake_shared_views) -> None:
+    tensors, calls = fake_shared_views
+    model, token = Qwen2LikeSglang(), torch.zeros(1, dtype=torch.uint8)
+    door = new_door()
+    loader.load_bucket(model, [(loader.door_name(spec.model_dump_json(), door, RANK), token)])
+    listener = loader._doors[model]
+    bell = Doorbell(spec, door, [RANK])
+    try:
+        # The first push of a name goes through load_weights (the plan records), later ones replay
+        # the plan: both on the doorbell's thread, leaving what load_weights leaves.
+        for version in (1, 2, 3):
+            ring(bell, forwarded(tensors, version), version)
+            _assert_same(model, reference(version))
+        assert calls == [listener._thread.name] * 3  # every load on the doorbell's thread
+        assert loader.planned_loader(model).plan.copies  # later rings replayed what the first recorded
+        # A ring that names no forwarded bucket loads nothing and says why, in its own answer.
+        with pytest.raises(WeightSyncError, match="carries one forwarded bucket's name"):
+            ring(bell, loader.PREFIX + "[]", 4)
+        _assert_same(model, reference(3))
+        # FORGET_ALL (the relay's weight transfer closing) stops the thread.
+        loader.load_bucket(model, [(loader.FORGET_ALL, token)])
+        listener._thread.join(10)
+        assert not listener._thread.is_alive() and model not in loader._doors
+    finally:
+        loader.stop_door(model)
+        bell.close()
+
+
+def test_a_new_door_replaces_the_old_one_and_a_bad_entry_is_refused(spec, fake_shared_views) -> None:
+    tensors, _ = fake_shared_views
+    model, token = Qwen2LikeSglang(), torch.zeros(1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="malformed doorbell entry"):
+        loader.load_bucket(model, [(loader.DOOR_PREFIX + '{"door": 1}', token)])
+    assert model not in loader._doors
+    first, second = new_door(), new_door()
+    loader.load_bucket(model, [(loader.door_name(spec.model_dump_json(), first, RANK), token)])
+    old = loader._doors[model]
+    loader.load_bucket(model, [(loader.door_name(spec.model_dump_json(), second, RANK), token)])
+    bell = Doorbell(spec, second, [RANK])
+    try:
+        old._thread.join(10)
+        assert not old._thread.is_alive() and loader._doors[model] is not old
+        ring(bell, forwarded(tensors, 5), 5)
+        _assert_same(model, reference(5))
+    finally:
+        loader.stop_door(model)
+        bell.close()
+
+
+def test_a_load_by_sglangs_call_waits_for_a_ring_in_progress(spec, fake_shared_views) -> None:
+    """One lock around every load: SGLang's own call of the loader never runs beside the doorbell's."""
+    tensors, _ = fake_shared_views
+    model, token = Qwen2LikeSglang(), torch.zeros(1, dtype=torch.uint8)
+    door = new_door()
+    loader.load_bucket(model, [(loader.door_name(spec.model_dump_json(), door, RANK), token)])
+    bell = Doorbell(spec, door, [RANK])
+    entered, go = threading.Event(), threading.Event()
+    real = model.load_weights
+
+    def slow(weights) -> None:  # noqa: ANN001 - the ring's load holds here until told to go on
+        entered.set()
+        assert go.wait(10)
+        real(weights)
+
+    model.load_weights = slow  # type: ignore[method-assign]
+    ringer = threading.Thread(target=ring, args=(bell, forwarded(tensors, 6), 6))
+    try:
+        ringer.start()
+        assert entered.wait(10)
+        other = threading.Thread(target=loader.load_bucket, args=(model, [("model.norm.weight", torch.ones(8))]))
+        other.start()
+        other.join(0.3)
+        assert other.is_alive()  # waits for the ring's load
+        go.set()
+        ringer.join(10)
+        other.join(10)
+        assert not other.is_alive()
+        assert torch.equal(model.params["model.norm.weight"], torch.ones(8))  # SGLang's load came last
+    finally:
+        go.set()
+        loader.stop_door(model)
+        bell.close()
