@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import pickle
+import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -389,3 +390,30 @@ class StreamingFakeSglangRuntime(FakeSglangRuntime):
         self._caught_up.set()
         self._running.set()
         self._admit.set()
+
+
+def fake_trainer_memory(monkeypatch: Any, views: dict[str, list[tuple[str, torch.Tensor]]],
+                        threads: list[str] | None = None) -> None:
+    """A FAKE for the plugin loader's CUDA-only steps of forwarded buckets (a CPU cannot open
+    another process's CUDA memory): the probe passes, a forwarded bucket's name maps to the CPU
+    tensors registered under it in ``views`` (the name of each thread that asked is appended to
+    ``threads``), and the segment importer maps and unmaps nothing. The rest of the loader runs."""
+    from rollout_engines_sglang import loader
+
+    class NoImporter:
+        def finish(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    states: dict[int, Any] = {}
+
+    def shared_views(model: Any, name: str) -> list[tuple[str, torch.Tensor]]:
+        if threads is not None:
+            threads.append(threading.current_thread().name)
+        return views[name]
+
+    monkeypatch.setattr(loader, "probe", lambda model, name: None)
+    monkeypatch.setattr(loader, "shared_views", shared_views)
+    monkeypatch.setattr(loader, "_state", lambda model: states.setdefault(id(model), loader._Forwarded(NoImporter())))

@@ -28,7 +28,7 @@ from rollout_engines.weights.session import connect_weight_sync
 from rollout_engines_sglang import loader
 from rollout_engines_sglang.engine import SglangEngine
 from rollout_engines_sglang.loader import LOADER, planned_loader
-from sglang_fake import FakeSglangRuntime, StreamingFakeSglangRuntime
+from sglang_fake import FakeSglangRuntime, StreamingFakeSglangRuntime, fake_trainer_memory
 
 GREEDY = GenerateRequest(prompt_token_ids=[[5, 6, 7], [9]], sampling=SamplingParams(temperature=0.0, max_tokens=4))
 
@@ -737,18 +737,7 @@ async def test_direct_receive_hands_forwarded_buckets_to_the_loaders_doorbell_wh
     from rollout_engines.weights.transports.cuda_ipc import SharedViews
 
     views: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    states: dict[int, loader._Forwarded] = {}
-
-    class NoImporter:
-        def finish(self) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    monkeypatch.setattr(loader, "probe", lambda model, name: None)
-    monkeypatch.setattr(loader, "shared_views", lambda model, name: views[name])
-    monkeypatch.setattr(loader, "_state", lambda model: states.setdefault(id(model), loader._Forwarded(NoImporter())))  # type: ignore[arg-type]
+    fake_trainer_memory(monkeypatch, views)
     engine, fake = make(tiny_model, weight_loaders=(LOADER,), copy_plan=True, forward_buckets=True)
     sync = await connect_weight_sync([engine], "shm")
     try:

@@ -16,6 +16,7 @@ from rollout_engines.weights.doorbell import Doorbell, new_door
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec
 from rollout_engines.weights.transports import _store
 from rollout_engines_sglang import loader, payloads
+from sglang_fake import fake_trainer_memory
 
 H, KV, FF, VOCAB = 8, 4, 12, 16
 
@@ -293,29 +294,10 @@ def spec():
 
 @pytest.fixture
 def fake_shared_views(monkeypatch):
-    """A FAKE for the one CUDA-only step: the views a forwarded bucket's name maps to (the
-    trainer's memory, opened through CUDA IPC by the loader's segment importer) are CPU tensors
-    registered under that name here, and the importer maps and unmaps nothing."""
+    """Forwarded buckets' views (CPU tensors, registered by name) and the threads that read them."""
     tensors: dict[str, list[tuple[str, torch.Tensor]]] = {}
     calls: list[str] = []
-    states: dict[int, loader._Forwarded] = {}
-
-    class NoImporter:
-        def finish(self) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-    def shared_views(model, name):  # noqa: ANN001, ANN202
-        calls.append(threading.current_thread().name)
-        return tensors[name]
-
-    def state(model):  # noqa: ANN001, ANN202
-        return states.setdefault(id(model), loader._Forwarded(NoImporter()))  # type: ignore[arg-type]
-
-    monkeypatch.setattr(loader, "shared_views", shared_views)
-    monkeypatch.setattr(loader, "_state", state)
+    fake_trainer_memory(monkeypatch, tensors, calls)
     return tensors, calls
 
 
@@ -334,6 +316,13 @@ def reference(version: int) -> Qwen2LikeSglang:
     return model
 
 
+def open_door(spec: TransportSpec, model: Qwen2LikeSglang, token: torch.Tensor) -> Doorbell:
+    """Start ``model``'s listener as SGLang's call of the loader would, and the relay's doorbell to it."""
+    door = new_door()
+    loader.load_bucket(model, [(loader.door_name(spec.model_dump_json(), door, RANK), token)])
+    return Doorbell(spec, door, [RANK])
+
+
 def ring(bell: Doorbell, name: str, version: int) -> None:
     assert bell.claim()
     try:
@@ -346,10 +335,8 @@ def ring(bell: Doorbell, name: str, version: int) -> None:
 def test_a_door_entry_starts_a_listener_that_loads_rung_buckets_until_forget_all(spec, fake_shared_views) -> None:
     tensors, calls = fake_shared_views
     model, token = Qwen2LikeSglang(), torch.zeros(1, dtype=torch.uint8)
-    door = new_door()
-    loader.load_bucket(model, [(loader.door_name(spec.model_dump_json(), door, RANK), token)])
+    bell = open_door(spec, model, token)
     listener = loader._doors[model]
-    bell = Doorbell(spec, door, [RANK])
     try:
         # The first push of a name goes through load_weights (the plan records), later ones replay
         # the plan: both on the doorbell's thread, leaving what load_weights leaves.
@@ -377,11 +364,9 @@ def test_a_new_door_replaces_the_old_one_and_a_bad_entry_is_refused(spec, fake_s
     with pytest.raises(ValueError, match="malformed doorbell entry"):
         loader.load_bucket(model, [(loader.DOOR_PREFIX + '{"door": 1}', token)])
     assert model not in loader._doors
-    first, second = new_door(), new_door()
-    loader.load_bucket(model, [(loader.door_name(spec.model_dump_json(), first, RANK), token)])
+    open_door(spec, model, token).close()
     old = loader._doors[model]
-    loader.load_bucket(model, [(loader.door_name(spec.model_dump_json(), second, RANK), token)])
-    bell = Doorbell(spec, second, [RANK])
+    bell = open_door(spec, model, token)
     try:
         old._thread.join(10)
         assert not old._thread.is_alive() and loader._doors[model] is not old
@@ -396,9 +381,7 @@ def test_a_load_by_sglangs_call_waits_for_a_ring_in_progress(spec, fake_shared_v
     """One lock around every load: SGLang's own call of the loader never runs beside the doorbell's."""
     tensors, _ = fake_shared_views
     model, token = Qwen2LikeSglang(), torch.zeros(1, dtype=torch.uint8)
-    door = new_door()
-    loader.load_bucket(model, [(loader.door_name(spec.model_dump_json(), door, RANK), token)])
-    bell = Doorbell(spec, door, [RANK])
+    bell = open_door(spec, model, token)
     entered, go = threading.Event(), threading.Event()
     real = model.load_weights
 
