@@ -80,6 +80,7 @@ import asyncio
 import importlib.util
 import logging
 import os
+import statistics
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -1098,6 +1099,7 @@ class SglangEngine(Engine):
             "relay_staging_bytes": relay.staging_bytes if isinstance(relay, _RelayTarget) else None,
             # Updates whose forwarded buckets went through the doorbell (option direct_receive).
             "direct_receives": relay.direct_receives if isinstance(relay, _RelayTarget) else None,
+            **(relay.ring_medians_ms() if isinstance(relay, _RelayTarget) else {}),
         }
 
     async def _close(self) -> None:
@@ -1190,6 +1192,9 @@ class _RelayTarget:
         self.version, self.ringing, self.rang = 0, False, False
         #: Updates of this weight transfer that went through the doorbell.
         self.direct_receives = 0
+        #: The last rings' (whole ring, relay's write to the loader's thread running, the load,
+        #: the loader's answer to the relay having it) in seconds; see :meth:`ring_medians_ms`.
+        self.rings: list[tuple[float, float | None, float | None, float | None]] = []
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
         return self.specs
@@ -1264,6 +1269,19 @@ class _RelayTarget:
             logger.warning("sglang: direct_receive: no doorbell to SGLang's loader (%s); pushes use "
                            "update_weights_from_tensor", exc)
 
+    def ring_medians_ms(self) -> dict[str, float | None]:
+        """Medians over the last rings (up to 64), in milliseconds: ``door_ring_ms`` (the relay's
+        whole wait), ``door_wake_ms`` (its write of the ring to the loader's thread running),
+        ``door_load_ms`` (the load there, copies synchronized), ``door_back_ms`` (the thread's
+        answer to the relay having it); None before the first ring."""
+        keys = ("door_ring_ms", "door_wake_ms", "door_load_ms", "door_back_ms")
+        columns = list(zip(*self.rings, strict=True)) if self.rings else [()] * 4
+        out: dict[str, float | None] = {}
+        for key, column in zip(keys, columns, strict=True):
+            values = [v for v in column if v is not None]
+            out[key] = round(statistics.median(values) * 1e3, 3) if values else None
+        return out
+
     def _ring(self, name: str) -> None:
         """Hand one forwarded bucket to the loader's listener and wait for its answer."""
         assert self.door is not None
@@ -1272,9 +1290,17 @@ class _RelayTarget:
             if self.engine._failed:
                 raise EngineUnavailable(self.engine._failed)
 
-        answers = self.door.ring_now({"version": self.version, "layout": name}, timeout_s=self.timeout_s, check=check)
+        start = time.perf_counter()
+        answers = self.door.ring_now({"version": self.version, "layout": name, "sent": time.time()},
+                                     timeout_s=self.timeout_s, check=check)
+        back, ring_s = time.time(), time.perf_counter() - start
         raise_for_workers(answers, f"loading a forwarded bucket of update v{self.version}", applies_weights=False,
                           worker="SGLang scheduler")
+        answer = answers[0]
+        if len(self.rings) >= 64:
+            del self.rings[:32]
+        self.rings.append((ring_s, answer.get("wake_s"), answer.get("load_s"),
+                           back - answer["answered"] if isinstance(answer.get("answered"), float) else None))
         if not self.rang:
             self.rang = True
             self.direct_receives += 1

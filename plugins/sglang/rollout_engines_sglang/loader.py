@@ -54,6 +54,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -273,11 +274,17 @@ def _door_receive(model: Any, wire: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(name, str) or not name.startswith(SHARED_PREFIX):
         raise ValueError("a doorbell ring of SGLang's loader carries one forwarded bucket's name "
                          f"(starting {SHARED_PREFIX!r}); got {str(name)[:40]!r}")
+    woke = time.time()
     state = _forwarded.get(model)
     token = state.token if state is not None else None
+    start = time.perf_counter()
     with torch.no_grad():  # grad mode is per thread; SGLang loads under no_grad
         _load(model, [(name, token if token is not None else torch.zeros(1, dtype=torch.uint8))])
-    return {"ok": True, "version": wire.get("version")}
+    # Where a ring's time goes (the relay reports medians): from the relay's write to this thread
+    # running (wall clocks of one machine), and the load itself (copies, synchronized).
+    sent = wire.get("sent")
+    return {"ok": True, "version": wire.get("version"), "load_s": time.perf_counter() - start,
+            "wake_s": woke - sent if isinstance(sent, float) else None, "answered": time.time()}
 
 
 def planned_loader(model: Any) -> PlannedLoader:
