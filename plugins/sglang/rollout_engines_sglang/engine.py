@@ -189,7 +189,8 @@ class SglangOptions(BaseModel):
         "weight-sync store (a thread in SGLang's scheduler process; rollout_engines.weights.doorbell) instead of "
         "SGLang's update_weights_from_tensor (tokenizer manager, scheduler queue), while no request runs; "
         "requests that come meanwhile wait. Sets SGLang's sleep_on_idle unless passed (an idle scheduler that "
-        "spins holds the GIL the doorbell's thread needs). info().extra['direct_receives'] counts its updates.",
+        "spins holds the GIL the doorbell's thread needs; with sleep_on_idle=False the doorbell is not used). "
+        "info().extra['direct_receives'] counts its updates.",
     )
     weight_quantization: Literal["none", "fp8_block"] = Field(
         default="none",
@@ -1257,6 +1258,14 @@ class _RelayTarget:
         """Start the loader's doorbell listener (once per weight transfer; where the transport has a
         store): later updates may ring it."""
         if self._door_tried or not self.engine.options.direct_receive or not has_store(self.spec):
+            return
+        if (self.engine.options.model_extra or {}).get("sleep_on_idle") is False:
+            # Seen on an H100 (benchmarks/RESULTS.md): with SGLang's scheduler spinning between
+            # requests the loader's thread waited ~67 ms for the GIL per ring, a ~1B push took
+            # 143 ms instead of 4.5 ms. SGLang's call is the faster path then.
+            self._door_tried = True
+            logger.info("sglang: direct_receive needs SGLang's sleep_on_idle (passed as False); pushes use "
+                        "update_weights_from_tensor")
             return
         from .loader import door_name
 

@@ -785,3 +785,31 @@ async def test_direct_receive_hands_forwarded_buckets_to_the_loaders_doorbell_wh
     finally:
         await sync.close()
     assert engine._transfer is None and not list(loader._doors.items())  # FORGET_ALL stopped the listener
+
+
+async def test_direct_receive_steps_aside_where_sglangs_scheduler_spins(tiny_model, monkeypatch) -> None:
+    """With ``sleep_on_idle=False`` passed (SGLang's scheduler then spins in Python between
+    requests, holding the GIL the doorbell's thread would need: 143 ms pushes instead of 4.5 ms on
+    an H100) the relay never starts the loader's doorbell: every forwarded bucket goes through
+    SGLang's call. FAKES as in the test above."""
+    from rollout_engines.weights.manifest import plan_manifest, specs_of
+    from rollout_engines.weights.transports.cuda_ipc import SharedViews
+
+    views: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    fake_trainer_memory(monkeypatch, views)
+    engine, fake = make(tiny_model, weight_loaders=(LOADER,), copy_plan=True, forward_buckets=True, sleep_on_idle=False)
+    sync = await connect_weight_sync([engine], "shm")
+    try:
+        await sync.push(checkpoint(tiny_model), version=1)
+        target = engine._transfer.receiver.target
+        tensors = perturbed(checkpoint(tiny_model), 0.01)
+        placements = plan_manifest(specs_of(list(tensors.items())), version=2).bucket_tensors(0)
+        views[loader.shared_name(0, "GPU-1", "{}", placements)] = [(p.name, tensors[p.name]) for p in placements]
+        shared = SharedViews([tensors[p.name] for p in placements], "{}", "GPU-1")
+        calls = len(fake.load_formats)
+        for _ in range(2):
+            assert await asyncio.to_thread(target.apply_shared, 0, placements, shared)
+        assert len(fake.load_formats) == calls + 3  # the probe and both buckets; no doorbell
+        assert target.door is None and not list(loader._doors.items())
+    finally:
+        await sync.close()
