@@ -5,6 +5,7 @@ and leave exactly the parameters ``load_weights`` would."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import threading
 
@@ -363,6 +364,11 @@ def test_a_new_door_replaces_the_old_one_and_a_bad_entry_is_refused(spec, fake_s
     model, token = Qwen2LikeSglang(), torch.zeros(1, dtype=torch.uint8)
     with pytest.raises(ValueError, match="malformed doorbell entry"):
         loader.load_bucket(model, [(loader.DOOR_PREFIX + '{"door": 1}', token)])
+    # A spec that does not validate: the error names no part of it (SGLang logs loader errors).
+    leaky = json.dumps({**json.loads(spec.model_dump_json()), "timeout_s": "soon"})
+    with pytest.raises(ValueError, match="malformed doorbell entry") as refused:
+        loader.load_bucket(model, [(loader.door_name(leaky, new_door(), RANK), token)])
+    assert spec.options["secret"] not in str(refused.value) and refused.value.__cause__ is None
     assert model not in loader._doors
     open_door(spec, model, token).close()
     old = loader._doors[model]
