@@ -25,6 +25,11 @@ backend keeps the rule that makes this safe: it rings only while no request runs
 and lets none start until :attr:`Doorbell.busy` clears, which happens only once every worker
 answered. Workers take each receive under one lock, so a receive by RPC never overlaps one by
 the doorbell.
+
+The vLLM plugin rings its workers once per update (:meth:`Doorbell.ring`); the SGLang plugin's
+relay, which receives the update itself, rings a listener in SGLang's scheduler process once per
+forwarded bucket from its receiving thread (:meth:`Doorbell.ring_now`, all under one
+:meth:`Doorbell.claim`).
 """
 
 from __future__ import annotations
