@@ -47,13 +47,15 @@ async def test_capabilities(engine):
 
 async def test_samples_are_aborted_one_by_one(engine):
     """n > 1: every sample is its own vLLM request under its own id; aborting one leaves the other."""
-    request = GenerateRequest(prompt_token_ids=PROMPTS[:1], sampling=greedy(60, n=2), request_ids=["s0", "s1"])
+    # LONG tokens each: with 60 the tiny model had finished both samples within the 0.1 s before
+    # the abort on a quiet CPU, and s0 ended with 'length'.
+    request = GenerateRequest(prompt_token_ids=PROMPTS[:1], sampling=greedy(LONG, n=2), request_ids=["s0", "s1"])
     pending = asyncio.ensure_future(engine.generate(request))
     await asyncio.sleep(0.1)
     await engine.abort(["s0"])
     a, b = await asyncio.wait_for(pending, 120)
-    assert (a.request_id, a.finish_reason) == ("s0", "abort") and len(a.token_ids) < 60
-    assert (b.request_id, b.finish_reason) == ("s1", "length") and len(b.token_ids) == 60
+    assert (a.request_id, a.finish_reason) == ("s0", "abort") and len(a.token_ids) < LONG
+    assert (b.request_id, b.finish_reason) == ("s1", "length") and len(b.token_ids) == LONG
     assert (a.sample_index, b.sample_index) == (0, 1)
 
 
