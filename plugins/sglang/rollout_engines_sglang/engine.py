@@ -755,7 +755,7 @@ class SglangEngine(Engine):
         first and the requests counted after: a request counts itself before it looks at the
         doorbell (:meth:`_unless_failed`), so one of the two sees the other."""
         door = target.door
-        if door is None or not self.options.direct_receive or not door.claim():
+        if door is None or not door.claim():  # a door exists only with option direct_receive
             return False
         if self._outstanding or self._live:
             door.release()

@@ -5,9 +5,11 @@ and leave exactly the parameters ``load_weights`` would."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -317,11 +319,22 @@ def reference(version: int) -> Qwen2LikeSglang:
     return model
 
 
-def open_door(spec: TransportSpec, model: Qwen2LikeSglang, token: torch.Tensor) -> Doorbell:
-    """Start ``model``'s listener as SGLang's call of the loader would, and the relay's doorbell to it."""
+def start_listener(spec: TransportSpec, model: Qwen2LikeSglang, token: torch.Tensor) -> str:
+    """Start ``model``'s listener as SGLang's call of the loader would; returns its door's name."""
     door = new_door()
     loader.load_bucket(model, [(loader.door_name(spec.model_dump_json(), door, RANK), token)])
-    return Doorbell(spec, door, [RANK])
+    return door
+
+
+@contextlib.contextmanager
+def doorbell(spec: TransportSpec, model: Qwen2LikeSglang, token: torch.Tensor) -> Iterator[Doorbell]:
+    """A listener for ``model`` and the relay's doorbell to it, both stopped afterwards."""
+    bell = Doorbell(spec, start_listener(spec, model, token), [RANK])
+    try:
+        yield bell
+    finally:
+        loader.stop_door(model)
+        bell.close()
 
 
 def ring(bell: Doorbell, name: str, version: int) -> None:
@@ -336,9 +349,8 @@ def ring(bell: Doorbell, name: str, version: int) -> None:
 def test_a_door_entry_starts_a_listener_that_loads_rung_buckets_until_forget_all(spec, fake_shared_views) -> None:
     tensors, calls = fake_shared_views
     model, token = Qwen2LikeSglang(), torch.zeros(1, dtype=torch.uint8)
-    bell = open_door(spec, model, token)
-    listener = loader._doors[model]
-    try:
+    with doorbell(spec, model, token) as bell:
+        listener = loader._doors[model]
         # The first push of a name goes through load_weights (the plan records), later ones replay
         # the plan: both on the doorbell's thread, leaving what load_weights leaves.
         for version in (1, 2, 3):
@@ -354,9 +366,6 @@ def test_a_door_entry_starts_a_listener_that_loads_rung_buckets_until_forget_all
         loader.load_bucket(model, [(loader.FORGET_ALL, token)])
         listener._thread.join(10)
         assert not listener._thread.is_alive() and model not in loader._doors
-    finally:
-        loader.stop_door(model)
-        bell.close()
 
 
 def test_a_new_door_replaces_the_old_one_and_a_bad_entry_is_refused(spec, fake_shared_views) -> None:
@@ -370,24 +379,19 @@ def test_a_new_door_replaces_the_old_one_and_a_bad_entry_is_refused(spec, fake_s
         loader.load_bucket(model, [(loader.door_name(leaky, new_door(), RANK), token)])
     assert spec.options["secret"] not in str(refused.value) and refused.value.__cause__ is None
     assert model not in loader._doors
-    open_door(spec, model, token).close()
+    start_listener(spec, model, token)
     old = loader._doors[model]
-    bell = open_door(spec, model, token)
-    try:
+    with doorbell(spec, model, token) as bell:
         old._thread.join(10)
         assert not old._thread.is_alive() and loader._doors[model] is not old
         ring(bell, forwarded(tensors, 5), 5)
         _assert_same(model, reference(5))
-    finally:
-        loader.stop_door(model)
-        bell.close()
 
 
 def test_a_load_by_sglangs_call_waits_for_a_ring_in_progress(spec, fake_shared_views) -> None:
     """One lock around every load: SGLang's own call of the loader never runs beside the doorbell's."""
     tensors, _ = fake_shared_views
     model, token = Qwen2LikeSglang(), torch.zeros(1, dtype=torch.uint8)
-    bell = open_door(spec, model, token)
     entered, go = threading.Event(), threading.Event()
     real = model.load_weights
 
@@ -397,8 +401,8 @@ def test_a_load_by_sglangs_call_waits_for_a_ring_in_progress(spec, fake_shared_v
         real(weights)
 
     model.load_weights = slow  # type: ignore[method-assign]
-    ringer = threading.Thread(target=ring, args=(bell, forwarded(tensors, 6), 6))
-    try:
+    with doorbell(spec, model, token) as bell:
+        ringer = threading.Thread(target=ring, args=(bell, forwarded(tensors, 6), 6))
         ringer.start()
         assert entered.wait(10)
         other = threading.Thread(target=loader.load_bucket, args=(model, [("model.norm.weight", torch.ones(8))]))
@@ -410,7 +414,3 @@ def test_a_load_by_sglangs_call_waits_for_a_ring_in_progress(spec, fake_shared_v
         other.join(10)
         assert not other.is_alive()
         assert torch.equal(model.params["model.norm.weight"], torch.ones(8))  # SGLang's load came last
-    finally:
-        go.set()
-        loader.stop_door(model)
-        bell.close()
