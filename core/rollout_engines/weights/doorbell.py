@@ -26,10 +26,8 @@ and lets none start until :attr:`Doorbell.busy` clears, which happens only once 
 answered. Workers take each receive under one lock, so a receive by RPC never overlaps one by
 the doorbell.
 
-The vLLM plugin rings its workers once per update (:meth:`Doorbell.ring`); the SGLang plugin's
-relay, which receives the update itself, rings a listener in SGLang's scheduler process once per
-forwarded bucket from its receiving thread (:meth:`Doorbell.ring_now`, all under one
-:meth:`Doorbell.claim`).
+The vLLM plugin rings its workers, the SGLang plugin its scheduler process (which joined the
+session as the rank of the engine's relay), once per update (:meth:`Doorbell.ring`).
 """
 
 from __future__ import annotations
@@ -110,17 +108,8 @@ class Doorbell:
         return True
 
     def release(self) -> None:
-        """End a claim made for :meth:`ring_now` (:meth:`ring` releases its own)."""
+        """End a claim that no ring follows (e.g. the engine turned out to be busy after all)."""
         self._busy.clear()
-
-    def ring_now(
-        self, wire: Mapping[str, Any], *, timeout_s: float, check: Callable[[], None],
-    ) -> list[dict[str, Any]]:
-        """:meth:`ring` on the caller's thread, for a caller that hands one update over in several
-        rings (e.g. one per bucket) and so holds one :meth:`claim` around all of them: busy stays
-        set until :meth:`release`."""
-        header, stale = self._post(wire)
-        return self._answers(header, stale, timeout_s, check)
 
     async def ring(
         self, wire: Mapping[str, Any], *, timeout_s: float, check: Callable[[], None],

@@ -57,11 +57,13 @@ dtype before anything is applied):
   ``load_format="flattened_bucket"`` loads each bucket through ``load_weights``. With option
   ``forward_buckets`` (on by default) a ``cuda_ipc`` bucket of the trainer's
   own GPU tensors is forwarded to the loader, not staged: it opens the trainer's memory itself
-  (see :class:`_RelayTarget`). With option ``direct_receive`` (on by default) the relay hands
-  forwarded buckets to the loader through a doorbell on the weight-sync store
-  (:mod:`rollout_engines.weights.doorbell`, a thread in SGLang's scheduler process, see
-  :mod:`.loader`) instead of ``update_weights_from_tensor``, while no request runs: requests that
-  come meanwhile wait until the update is loaded.
+  (see :class:`_RelayTarget`). With option ``direct_receive`` (on by default; ``shm`` and
+  ``cuda_ipc``, one TP rank) SGLang's scheduler process becomes a receiver of the session itself
+  after the first update: the engine hands it later updates through a doorbell on the weight-sync
+  store (:mod:`rollout_engines.weights.doorbell`, a thread there, see :mod:`.loader`) and it reads
+  the trainer's buckets straight into the parameters, with no relay and no
+  ``update_weights_from_tensor``, while no request runs: requests that come meanwhile wait until
+  the update is loaded.
 
 SGLang applies updates in place. If an update fails after any bucket reached SGLang, the engine
 refuses to generate (``WeightsInvalidated``) until the next complete push.
@@ -117,7 +119,13 @@ from rollout_engines.types import (
     StreamDelta,
 )
 from rollout_engines.weights.doorbell import Doorbell, has_store, new_door
-from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, validate_manifest
+from rollout_engines.weights.manifest import (
+    TensorSpec,
+    TransportSpec,
+    WeightManifest,
+    manifest_to_wire,
+    validate_manifest,
+)
 
 from . import translate
 from .lora import DEFAULT_TARGETS, REFUSED_TARGETS, LoadedLora, SglangLoras
@@ -185,11 +193,12 @@ class SglangOptions(BaseModel):
     )
     direct_receive: bool = Field(
         default=True,
-        description="Forwarded buckets (forward_buckets) reach the plugin's loader through a doorbell on the "
-        "weight-sync store (a thread in SGLang's scheduler process; rollout_engines.weights.doorbell) instead of "
-        "SGLang's update_weights_from_tensor (tokenizer manager, scheduler queue), while no request runs; "
-        "requests that come meanwhile wait. Sets SGLang's sleep_on_idle unless passed (an idle scheduler that "
-        "spins holds the GIL the doorbell's thread needs; with sleep_on_idle=False the doorbell is not used). "
+        description="shm and cuda_ipc pushes with copy_plan and one TP rank: after the first update SGLang's "
+        "scheduler process receives updates from the trainer itself, handed to it through a doorbell on the "
+        "weight-sync store (a thread there; rollout_engines.weights.doorbell), instead of the relay and SGLang's "
+        "update_weights_from_tensor (tokenizer manager, scheduler queue), while no request runs; requests that "
+        "come meanwhile wait. Sets SGLang's sleep_on_idle unless passed (an idle scheduler that spins holds the "
+        "GIL the doorbell's thread needs; with sleep_on_idle=False the doorbell is not used). "
         "info().extra['direct_receives'] counts its updates.",
     )
     weight_quantization: Literal["none", "fp8_block"] = Field(
@@ -291,7 +300,7 @@ def server_kwargs(config: EngineConfig, opts: SglangOptions, model_path: str | N
     check_passed_options(extra, _server_args(), library="sglang ServerArgs", own=SglangOptions.model_fields,
                          set_here={key: _SET_HERE[key] for key in kw if key in _SET_HERE})
     kw.update(extra)
-    if opts.direct_receive and opts.copy_plan and opts.forward_buckets and "sleep_on_idle" not in extra:
+    if opts.direct_receive and opts.copy_plan and "sleep_on_idle" not in extra:
         # Between requests SGLang's scheduler loops in Python unless it sleeps on its sockets; the
         # doorbell's thread in that process would wait for the GIL on every step of a load.
         kw["sleep_on_idle"] = True
@@ -999,32 +1008,56 @@ class SglangEngine(Engine):
             ) from exc
 
     async def _receive_relay(self, t: _Transfer, manifest: WeightManifest) -> None:
-        assert t.receiver is not None
-        target = t.receiver.target
+        receiver = t.receiver
+        assert receiver is not None
+        target = receiver.target
         assert isinstance(target, _RelayTarget)
         target.loop, target.timeout_s = asyncio.get_running_loop(), t.spec.timeout_s
         await self._select_specs(t, manifest, relayed=True)
-        target.version, target.rang = manifest.version, False
-        target.ringing = direct = self._claim_door(target)
-        receiver, door = t.receiver, target.door
-
-        def receive() -> None:  # the claim ends on this thread, also if the caller is cancelled
-            try:
-                receiver.receive(manifest)
-            finally:
-                if direct and door is not None:
-                    target.ringing = False
-                    door.release()
-
+        if target.takes_direct(manifest, self._quantizes(target.specs)) and self._claim_door(target):
+            await self._receive_direct(receiver, target, manifest)
+            return
         try:
-            await asyncio.to_thread(receive)
+            await asyncio.to_thread(receiver.receive, manifest)
         except WeightsInvalidated as exc:
             self._invalidate(str(exc))
             raise
-        # The host's receiver: 'apply' is staging plus SGLang's update_weights_from_tensor (or the
-        # doorbell's ring).
-        self._last_receive = LastReceive(version=manifest.version, direct=direct and target.rang,
-                                         workers=[ReceiveTimings.of(t.receiver.last_timings)])
+        # The host's receiver: 'apply' is staging (or forwarding) plus SGLang's update_weights_from_tensor.
+        self._last_receive = LastReceive(version=manifest.version, workers=[ReceiveTimings.of(receiver.last_timings)])
+        if target.door is None:
+            await asyncio.to_thread(target.start_door)
+            if target.door is not None:  # later updates skip the relay: its staging buffer goes
+                await target.release()
+
+    async def _receive_direct(self, receiver: Any, target: _RelayTarget, manifest: WeightManifest) -> None:
+        """Hand ``manifest`` to SGLang's scheduler through the doorbell (claimed by the caller): it
+        receives the update from the trainer itself (:mod:`.loader`)."""
+        door = target.door
+        assert door is not None
+
+        def check() -> None:
+            if self._failed:
+                raise EngineUnavailable(self._failed)
+
+        wire = manifest_to_wire(manifest)
+        wire["sent"] = time.time()
+        start = time.perf_counter()
+        # Released once the scheduler answered, also if this call is cancelled meanwhile.
+        answers = await door.ring(wire, timeout_s=manifest.timeout_s * (len(manifest.buckets) + 2), check=check)
+        back, ring_s = time.time(), time.perf_counter() - start
+        answer = answers[0] if answers and isinstance(answers[0], dict) else {}
+        self._last_receive = LastReceive(version=manifest.version, rpc_s=round(ring_s, 6), direct=True,
+                                         workers=[ReceiveTimings.of(answer.get("timings"))])
+        # The relay's receiver did not take this update: its record follows the scheduler's.
+        receiver.delta_base = None
+        try:
+            raise_for_workers(answers, f"weight update v{manifest.version}", applies_weights=True,
+                              worker="SGLang scheduler")
+        except WeightsInvalidated as exc:
+            self._invalidate(str(exc))
+            raise
+        receiver.version = manifest.version
+        target.rang(ring_s, answer, back)
 
     async def _select_specs(self, t: _Transfer, manifest: WeightManifest, *, relayed: bool) -> None:
         """Set what the receiver's target checks ``manifest`` against; a push the engine cannot take
@@ -1156,10 +1189,10 @@ class _RelayTarget:
     open the trainer's memory on its GPU (asked once, see :data:`.loader.PROBE`) and nothing is
     quantized here: the loader then reads the trainer's memory itself (:func:`.loader.shared_views`).
 
-    With option ``direct_receive`` the relay starts a doorbell listener in SGLang's scheduler
-    process after its first forwarded bucket (:data:`.loader.DOOR_PREFIX`) and, for updates the
-    engine claimed the doorbell for (:attr:`ringing`: nothing runs in SGLang), hands forwarded
-    buckets to it through the session's store."""
+    With option ``direct_receive``, after the first update it received the relay makes SGLang's
+    scheduler process a receiver of the session as its own rank (:meth:`start_door`,
+    :data:`.loader.DOOR_PREFIX`); the engine then rings that process for each update it can take
+    (:meth:`takes_direct`) while nothing runs in SGLang, and the relay's receiver sits it out."""
 
     def __init__(self, engine: SglangEngine, device: str, spec: TransportSpec) -> None:
         import torch
@@ -1185,16 +1218,14 @@ class _RelayTarget:
         self._mapped = False  # whether SGLang's loader may hold the trainer's memory open
         self._names: dict[tuple[Any, ...], str] = {}  # forwarded buckets' names, by what they carry
         self.spec = spec
-        #: The doorbell to the loader's listener (option direct_receive), once started.
+        #: The doorbell to SGLang's scheduler (option direct_receive), once started.
         self.door: Doorbell | None = None
         self._door_tried = False
-        #: Set by the engine per update: its version, whether the doorbell is claimed for it, and
-        #: whether a bucket went through it.
-        self.version, self.ringing, self.rang = 0, False, False
+        self._checked: tuple[Any, Any, bool] | None = None  # the layout and specs takes_direct checked
         #: Updates of this weight transfer that went through the doorbell.
         self.direct_receives = 0
-        #: The last rings' (whole ring, relay's write to the loader's thread running, the load,
-        #: the loader's answer to the relay having it) in seconds; see :meth:`ring_medians_ms`.
+        #: The last rings' (whole ring, the engine's write to the scheduler's thread running, the
+        #: receive there, its answer to the engine having it) in seconds; see :meth:`ring_medians_ms`.
         self.rings: list[tuple[float, float | None, float | None, float | None]] = []
 
     def expected_specs(self) -> Mapping[str, TensorSpec]:
@@ -1246,44 +1277,72 @@ class _RelayTarget:
                 self._names.clear()
             name = self._names[key] = shared_name(index, shared.device_uuid, shared.description, placements)
         self._mapped = True
-        if self.ringing and self.door is not None:
-            self._ring(name)
-        else:
-            self._call([runtime.serialize([(name, self._token)])])
-            self._start_door()
+        self._call([runtime.serialize([(name, self._token)])])
         self.forwarded += 1
         return True
 
-    def _start_door(self) -> None:
-        """Start the loader's doorbell listener (once per weight transfer; where the transport has a
-        store): later updates may ring it."""
-        if self._door_tried or not self.engine.options.direct_receive or not has_store(self.spec):
+    def start_door(self) -> None:
+        """Start the doorbell (once per weight transfer, after an update the relay received): SGLang's
+        scheduler process becomes a receiver of the session as this relay's rank, and later updates
+        may ring it (:mod:`.loader`). Only where that process can take the transfer's updates
+        itself: a store-signalled transport (``shm``, ``cuda_ipc``), one TP rank, the copy-plan
+        loader, and for ``cuda_ipc`` the trainer's GPU (checked there)."""
+        from .loader import DOOR_TRANSPORTS, LOADER, door_name
+
+        engine = self.engine
+        if (self._door_tried or not engine.options.direct_receive or not has_store(self.spec)
+                or self.spec.transport not in DOOR_TRANSPORTS or self.load_format != LOADER
+                or engine.runtime.tp_size != 1):
             return
-        if (self.engine.options.model_extra or {}).get("sleep_on_idle") is False:
+        self._door_tried = True
+        if (engine.options.model_extra or {}).get("sleep_on_idle") is False:
             # Seen on an H100 (benchmarks/RESULTS.md): with SGLang's scheduler spinning between
-            # requests the loader's thread waited ~67 ms for the GIL per ring, a ~1B push took
+            # requests the doorbell's thread waited ~67 ms for the GIL per ring, a ~1B push took
             # 143 ms instead of 4.5 ms. SGLang's call is the faster path then.
-            self._door_tried = True
             logger.info("sglang: direct_receive needs SGLang's sleep_on_idle (passed as False); pushes use "
                         "update_weights_from_tensor")
             return
-        from .loader import door_name
+        uuid = None
+        if self.spec.transport == "cuda_ipc":
+            from rollout_engines.weights.transports.cuda_ipc import device_uuid
 
-        self._door_tried = True
+            uuid = device_uuid(self.device)
         door, rank = new_door(), self.spec.rank_offset
+        if self._token is None:
+            import torch
+
+            self._token = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        entry = door_name(self.spec.model_dump_json(), door, rank, uuid)
         try:
-            self._call([self.engine.runtime.serialize([(door_name(self.spec.model_dump_json(), door, rank), self._token)])])
+            self._call([engine.runtime.serialize([(entry, self._token)])])
             self.door = Doorbell(self.spec, door, [rank])
-        except Exception as exc:  # noqa: BLE001 - the pushes still work, through SGLang's call
-            logger.warning("sglang: direct_receive: no doorbell to SGLang's loader (%s); pushes use "
-                           "update_weights_from_tensor", exc)
+        except Exception as exc:  # noqa: BLE001 - the pushes still work, through the relay
+            logger.warning("sglang: direct_receive: no doorbell to SGLang's scheduler (%s); pushes go through "
+                           "the relay and update_weights_from_tensor", exc)
+
+    def takes_direct(self, manifest: WeightManifest, quantizes: bool) -> bool:
+        """Whether the doorbell's receiver can take ``manifest``: it is checked against this
+        update's specs here (the scheduler takes it as described), and carries no delta (whose
+        base the relay's receiver keeps) and nothing the relay would quantize."""
+        if self.door is None or quantizes or manifest.delta is not None:
+            return False
+        checked = self._checked
+        if (checked is None or checked[0] is not manifest.tensors or checked[1] is not self.specs
+                or checked[2] != manifest.partial):
+            try:
+                validate_manifest(manifest, self.specs)
+            except ManifestMismatch:
+                return False  # the relay's receive drains the update and refuses it
+            self._checked = (manifest.tensors, self.specs, manifest.partial)
+        return True
 
     def ring_medians_ms(self) -> dict[str, float | None]:
-        """Medians over the last rings (up to 64), in milliseconds: ``door_ring_ms`` (the relay's
-        whole wait), ``door_wake_ms`` (its write of the ring to the loader's thread running),
-        ``door_load_ms`` (the load there, copies synchronized), ``door_back_ms`` (the thread's
-        answer to the relay having it); None before the first ring."""
-        keys = ("door_ring_ms", "door_wake_ms", "door_load_ms", "door_back_ms")
+        """Medians over the last rings (up to 64), in milliseconds: ``door_ring_ms`` (the engine's
+        whole wait), ``door_wake_ms`` (its write of the ring to the scheduler's thread running),
+        ``door_receive_ms`` (the receive there: the trainer's buckets, the copies),
+        ``door_back_ms`` (the thread's answer to the engine having it); None before the first
+        ring."""
+        keys = ("door_ring_ms", "door_wake_ms", "door_receive_ms", "door_back_ms")
         columns = list(zip(*self.rings, strict=True)) if self.rings else [()] * 4
         out: dict[str, float | None] = {}
         for key, column in zip(keys, columns, strict=True):
@@ -1291,28 +1350,16 @@ class _RelayTarget:
             out[key] = round(statistics.median(values) * 1e3, 3) if values else None
         return out
 
-    def _ring(self, name: str) -> None:
-        """Hand one forwarded bucket to the loader's listener and wait for its answer."""
-        assert self.door is not None
-
-        def check() -> None:
-            if self.engine._failed:
-                raise EngineUnavailable(self.engine._failed)
-
-        start = time.perf_counter()
-        answers = self.door.ring_now({"version": self.version, "layout": name, "sent": time.time()},
-                                     timeout_s=self.timeout_s, check=check)
-        back, ring_s = time.time(), time.perf_counter() - start
-        raise_for_workers(answers, f"loading a forwarded bucket of update v{self.version}", applies_weights=False,
-                          worker="SGLang scheduler")
-        answer = answers[0]
+    def rang(self, ring_s: float, answer: Mapping[str, Any], back: float) -> None:
+        """Count one update received through the doorbell and keep where its time went."""
+        timings = answer.get("timings")
+        total = timings.get("total") if isinstance(timings, dict) else None
+        answered = answer.get("answered")
         if len(self.rings) >= 64:
             del self.rings[:32]
-        self.rings.append((ring_s, answer.get("wake_s"), answer.get("load_s"),
-                           back - answer["answered"] if isinstance(answer.get("answered"), float) else None))
-        if not self.rang:
-            self.rang = True
-            self.direct_receives += 1
+        self.rings.append((ring_s, answer.get("wake_s"), total,
+                           back - answered if isinstance(answered, float) else None))
+        self.direct_receives += 1
 
     def apply(self, named: Sequence[tuple[str, Any]], *, owned: bool) -> None:
         from .payloads import Stager, loader_payloads, serialize_per_rank
@@ -1351,7 +1398,8 @@ class _RelayTarget:
         every step would cost a driver call per segment)."""
         stager, self._stager, self._sent_buffer = self._stager, None, None
         buffer = stager.buffer if stager is not None else None
-        unmap = shared and self._mapped
+        # FORGET_ALL also stops the scheduler's doorbell and closes its receiver.
+        unmap = shared and (self._mapped or self.door is not None)
         if buffer is None and not unmap:
             return
         if self.load_format != "flattened_bucket":

@@ -36,15 +36,18 @@ trainer's GPU) fails unless this rank is on that GPU and can open such memory: t
 before it forwards. :data:`FORGET_ALL` also unmaps the trainer's memory (the relay sends it when
 its weight transfer closes).
 
-**A doorbell for forwarded buckets** (the engine's option ``direct_receive``): a :data:`DOOR_PREFIX`
-entry starts a :class:`~rollout_engines.weights.doorbell.DoorbellListener` in this process, a
-thread on the weight-sync session's store (the entry names the transfer's spec, the door and the
-relay's rank). The relay then hands each forwarded bucket's name to it through the store instead
-of SGLang's ``update_weights_from_tensor`` (tokenizer manager, scheduler queue, the answer back):
-the thread loads it as :func:`load_bucket` would and answers. The relay rings only while no
-request runs in SGLang and lets none start until every bucket is loaded; this module's lock keeps
-a load by SGLang's call and one by the doorbell apart. :data:`FORGET_ALL` (or another door) stops
-the thread.
+**A doorbell** (the engine's option ``direct_receive``; ``shm`` and ``cuda_ipc``, one TP rank): a
+:data:`DOOR_PREFIX` entry makes this process a receiver of the weight-sync session as the relay's
+rank (a :class:`~rollout_engines.weights.receiver.WeightReceiver` over this model's copy plan) and
+starts a :class:`~rollout_engines.weights.doorbell.DoorbellListener`, a thread on the session's
+store. For an update it claimed the doorbell for, the engine rings that thread with the update's
+manifest instead of receiving it in its relay: the thread reads the trainer's buckets itself (for
+``cuda_ipc``, the trainer's own memory) and copies them into the parameters, as vLLM's workers do
+when rung, with no hop through the relay or SGLang's ``update_weights_from_tensor`` (tokenizer
+manager, scheduler queue, the answer back). The engine rings only while no request runs in SGLang
+and lets none start until the thread answered; this module's lock keeps a load by SGLang's call and
+one by the doorbell apart. :data:`FORGET_ALL` (or another door) stops the thread and closes its
+receiver.
 
 This module is imported inside SGLang's scheduler processes: keep it to torch and the core.
 """
@@ -64,7 +67,8 @@ import torch
 from rollout_engines.weights.buckets import torch_dtype
 from rollout_engines.weights.copy_plan import CopyPlan, PlannedLoader
 from rollout_engines.weights.doorbell import DoorbellListener
-from rollout_engines.weights.manifest import TensorSpec, TransportSpec
+from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, manifest_from_wire
+from rollout_engines.weights.receiver import WeightReceiver
 from rollout_engines.weights.transports._cuda_segments import SegmentImporter, available, steady
 from rollout_engines.weights.transports.cuda_ipc import device_uuid
 
@@ -225,67 +229,136 @@ def shared_views(model: Any, name: str) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def door_name(spec_json: str, door: str, rank: int) -> str:
+def door_name(spec_json: str, door: str, rank: int, device_uuid: str | None = None) -> str:
     """The tensor name that starts a doorbell listener: the weight transfer's spec (JSON, with its
-    store's address and secret), the door's name and the relay's rank in the session."""
-    return DOOR_PREFIX + json.dumps({"spec": spec_json, "door": door, "rank": rank}, separators=(",", ":"))
+    store's address and secret), the door's name, the relay's rank in the session and, for
+    ``cuda_ipc``, the GPU the trainer's memory is on (the relay's: its own receive checked that)."""
+    return DOOR_PREFIX + json.dumps({"spec": spec_json, "door": door, "rank": rank, "uuid": device_uuid},
+                                    separators=(",", ":"))
 
 
+#: The transports whose updates this process can receive itself, as the relay's rank: they signal
+#: through the session's store only (a process group's rank cannot be taken twice).
+DOOR_TRANSPORTS = ("shm", "cuda_ipc")
 #: Held by every load, whether SGLang called the loader or the doorbell's thread did.
 _lock = threading.Lock()
-#: One doorbell listener per model (while its weight transfer is open).
-_doors: weakref.WeakKeyDictionary[Any, DoorbellListener] = weakref.WeakKeyDictionary()
+
+
+class _ModelTarget:
+    """The doorbell receiver's :class:`~rollout_engines.weights.receiver.WeightTarget`: the model,
+    loaded through its copy plan as :func:`load_bucket` loads it. The engine checked the update
+    against the model's names, shapes and dtypes before it rang (it knows the checkpoint's names,
+    this process only the model's parameters), so it is taken here as the manifest describes it."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._tensors: Any = None
+        self._specs: dict[str, TensorSpec] = {}
+
+    def select(self, manifest: WeightManifest) -> None:
+        if manifest.tensors is not self._tensors:  # a steady push shares its layout's lists
+            self._tensors, self._specs = manifest.tensors, {t.name: t for t in manifest.tensors}
+
+    def expected_specs(self) -> dict[str, TensorSpec]:
+        return self._specs
+
+    def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
+        def load(items: list[tuple[str, torch.Tensor]]) -> None:
+            self.model.load_weights(items)
+
+        planned_loader(self.model).apply(list(named), load, owned=owned)
+
+
+@dataclass
+class _Door:
+    """A model's doorbell: the listener thread and the session receiver it runs for each ring."""
+
+    listener: DoorbellListener
+    receiver: WeightReceiver
+    target: _ModelTarget
+
+    def close(self) -> None:
+        self.listener.close()  # a receive in progress finishes first
+        self.receiver.close()
+
+
+#: One doorbell per model (while its weight transfer is open).
+_doors: weakref.WeakKeyDictionary[Any, _Door] = weakref.WeakKeyDictionary()
 
 
 def stop_door(model: Any) -> None:
-    """Stop the doorbell listener of ``model`` (no-op without one)."""
-    listener = _doors.pop(model, None)
-    if listener is not None:
-        listener.close()
+    """Stop the doorbell of ``model`` and close its receiver (no-op without one)."""
+    door = _doors.pop(model, None)
+    if door is not None:
+        door.close()
 
 
 def start_door(model: Any, name: str) -> None:
-    """Start a doorbell listener for ``model`` as ``name`` (:func:`door_name`) says, replacing one
-    started before; it joins the session's store before this returns (the relay rings next)."""
+    """Start a doorbell for ``model`` as ``name`` (:func:`door_name`) says, replacing one started
+    before: a receiver of the weight-sync session as the relay's rank, and a listener thread that
+    runs it for each ring. Both joined the session's store before this returns (the engine may
+    ring next). Raises where this process cannot receive the transfer's updates itself."""
     try:
         body = json.loads(name[len(DOOR_PREFIX):])
         spec = TransportSpec.model_validate_json(body["spec"])
-        door, rank = body["door"], body["rank"]
-        if not isinstance(door, str) or type(rank) is not int:
-            raise TypeError("door and rank must be a string and an integer")
+        door, rank, uuid = body["door"], body["rank"], body.get("uuid")
+        if not isinstance(door, str) or type(rank) is not int or not isinstance(uuid, str | None):
+            raise TypeError("door, rank and uuid must be a string, an integer and a string or null")
     except (ValueError, TypeError, KeyError) as exc:
         # Not the error's text: SGLang logs a loader's error, and a spec's carries its input (the
         # session's secret).
         raise ValueError(f"malformed doorbell entry in a tensor name ({type(exc).__name__})") from None
     stop_door(model)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    if spec.transport not in DOOR_TRANSPORTS:
+        raise ValueError(f"no doorbell for '{spec.transport}' pushes: only {', '.join(DOOR_TRANSPORTS)} updates can be "
+                         "received here as the relay's rank")
+    cuda = torch.cuda.is_available()
+    index = torch.cuda.current_device() if cuda else None
+    device: torch.device | str = "cpu"
+    if spec.transport == "cuda_ipc":
+        if index is None:
+            raise RuntimeError("a cuda_ipc doorbell needs CUDA in SGLang's processes")
+        device = torch.device("cuda", index)
+        if not available():
+            raise RuntimeError("a cuda_ipc doorbell needs cuda-bindings in SGLang's processes")
+        if uuid != device_uuid(device):
+            raise RuntimeError(f"this SGLang rank is on GPU {device_uuid(device)}, the trainer's tensors on {uuid}")
 
     def setup() -> None:  # the CUDA device is per thread
-        if device is not None:
-            torch.cuda.set_device(device)
+        if index is not None:
+            torch.cuda.set_device(index)
 
-    _doors[model] = DoorbellListener(
-        spec, door, rank=rank, receive=functools.partial(_door_receive, model), lock=_lock, setup=setup,
-    )
+    target = _ModelTarget(model)
+    receiver = WeightReceiver(target, device=device, mode="inplace", label="sglang scheduler")  # type: ignore[arg-type]
+    receiver.connect(spec, local_rank=rank - spec.rank_offset)
+    try:
+        listener = DoorbellListener(spec, door, rank=rank, receive=functools.partial(_door_receive, model),
+                                    lock=_lock, setup=setup)
+    except BaseException:
+        receiver.close()
+        raise
+    _doors[model] = _Door(listener, receiver, target)
 
 
 def _door_receive(model: Any, wire: dict[str, Any]) -> dict[str, Any]:
-    """What the doorbell's thread runs (under :data:`_lock`): load the forwarded bucket the ring
-    names (its ``layout``: a :func:`shared_name`)."""
-    name = wire.get("layout")
-    if not isinstance(name, str) or not name.startswith(SHARED_PREFIX):
-        raise ValueError("a doorbell ring of SGLang's loader carries one forwarded bucket's name "
-                         f"(starting {SHARED_PREFIX!r}); got {str(name)[:40]!r}")
+    """What the doorbell's thread runs (under :data:`_lock`): receive the update ``wire`` names
+    (:func:`~rollout_engines.weights.manifest.manifest_to_wire`'s form) straight from the trainer
+    into ``model``."""
     woke = time.time()
-    state = _forwarded.get(model)
-    token = state.token if state is not None else None
-    start = time.perf_counter()
+    door = _doors.get(model)
+    if door is None:
+        raise RuntimeError("the doorbell of this model was stopped")
+    manifest = manifest_from_wire(wire)
+    door.target.select(manifest)
     with torch.no_grad():  # grad mode is per thread; SGLang loads under no_grad
-        _load(model, [(name, token if token is not None else torch.zeros(1, dtype=torch.uint8))])
-    # Where a ring's time goes (the relay reports medians): from the relay's write to this thread
-    # running (wall clocks of one machine), and the load itself (copies, synchronized).
+        version = door.receiver.receive(manifest)
+    if torch.cuda.is_available():
+        # SGLang's forward runs on its own streams: the copies are done before the engine answers.
+        torch.cuda.current_stream().synchronize()
+    # Where a ring's time went (the engine reports medians): from the engine's write to this thread
+    # running (wall clocks of one machine), and the receive's own account.
     sent = wire.get("sent")
-    return {"ok": True, "version": wire.get("version"), "load_s": time.perf_counter() - start,
+    return {"ok": True, "version": version, "timings": door.receiver.last_timings,
             "wake_s": woke - sent if isinstance(sent, float) else None, "answered": time.time()}
 
 

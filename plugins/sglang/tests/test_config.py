@@ -32,7 +32,7 @@ def test_config_fields_and_passthrough_options() -> None:
 def test_sleep_on_idle_follows_direct_receive_unless_passed() -> None:
     """The doorbell's thread in SGLang's scheduler needs the GIL, which SGLang's idle loop holds
     unless it sleeps on its sockets: the plugin turns SGLang's sleep_on_idle on with the doorbell,
-    never against an explicit choice, and not where no bucket can go through the doorbell."""
+    never against an explicit choice, and not where the doorbell is off."""
     config = EngineConfig(backend="sglang", model="/m")
 
     def kw(**options):
@@ -40,7 +40,7 @@ def test_sleep_on_idle_follows_direct_receive_unless_passed() -> None:
 
     assert kw()["sleep_on_idle"] is True
     assert kw(sleep_on_idle=False)["sleep_on_idle"] is False
-    for off in ({"direct_receive": False}, {"forward_buckets": False}, {"copy_plan": False}):
+    for off in ({"direct_receive": False}, {"copy_plan": False}):
         assert "sleep_on_idle" not in kw(**off)
 
 

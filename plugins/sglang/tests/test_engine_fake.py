@@ -28,7 +28,7 @@ from rollout_engines.weights.session import connect_weight_sync
 from rollout_engines_sglang import loader
 from rollout_engines_sglang.engine import SglangEngine
 from rollout_engines_sglang.loader import LOADER, planned_loader
-from sglang_fake import FakeSglangRuntime, StreamingFakeSglangRuntime, fake_trainer_memory
+from sglang_fake import FakeSglangRuntime, StreamingFakeSglangRuntime
 
 GREEDY = GenerateRequest(prompt_token_ids=[[5, 6, 7], [9]], sampling=SamplingParams(temperature=0.0, max_tokens=4))
 
@@ -724,92 +724,116 @@ async def test_a_sequence_a_keep_pause_ends_at_its_last_token_is_finished_not_re
     assert out.text == fake.tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
 
-async def test_direct_receive_hands_forwarded_buckets_to_the_loaders_doorbell_while_nothing_runs(tiny_model, monkeypatch) -> None:
-    """Option ``direct_receive``: after its first forwarded bucket (through SGLang's call) the relay
-    starts the loader's doorbell listener, and an update the engine claimed the doorbell for (no
-    request outstanding) reaches the loader through the session's store, not through SGLang's call;
-    calls into SGLang wait meanwhile; with a request outstanding the claim is refused; closing the
-    transfer stops the listener. The listener runs in this process: the fake runtime calls the
-    plugin's real loader in-process, as SGLang's scheduler does in its own. FAKES besides the
-    runtime: the loader's two CUDA-only steps (the probe, and opening the trainer's memory, whose
-    views are CPU tensors registered here)."""
-    from rollout_engines.weights.manifest import plan_manifest, specs_of
-    from rollout_engines.weights.transports.cuda_ipc import SharedViews
-
-    views: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    fake_trainer_memory(monkeypatch, views)
-    engine, fake = make(tiny_model, weight_loaders=(LOADER,), copy_plan=True, forward_buckets=True)
-    sync = await connect_weight_sync([engine], "shm")
+async def test_direct_receive_makes_sglangs_scheduler_receive_updates_itself_while_nothing_runs(tiny_model) -> None:
+    """Option ``direct_receive`` (``shm`` here; ``cuda_ipc`` on the GPU): after the first update,
+    which the relay receives and hands to SGLang's call, SGLang's scheduler process (here the
+    loader the fake runtime calls in-process, as SGLang's scheduler does in its own) joins the
+    session as the relay's rank; later updates reach it through the doorbell and it reads the
+    trainer's buckets itself, with no call of SGLang; calls into SGLang wait meanwhile; with a
+    request outstanding the relay takes the update; a refused update changes nothing; closing the
+    transfer stops the doorbell. The only fake besides the runtime: a load that fails midway."""
+    engine, fake = make(tiny_model, weight_loaders=(LOADER,), copy_plan=True)
+    sync = await connect_weight_sync([engine], "shm", bucket_bytes=64 * 1024)
     try:
-        await sync.push(checkpoint(tiny_model), version=1)  # staged (shm): no doorbell yet
+        first = perturbed(checkpoint(tiny_model), 0.01)
+        await sync.push(first, version=1)  # the relay: SGLang's call; then the doorbell starts
         target = engine._transfer.receiver.target
-        assert target.door is None
-
-        def forward(tensors: dict[str, torch.Tensor], description: str) -> bool:
-            placements = plan_manifest(specs_of(list(tensors.items())), version=2).bucket_tensors(0)
-            views[loader.shared_name(0, "GPU-1", description, placements)] = [(p.name, tensors[p.name]) for p in placements]
-            shared = SharedViews([tensors[p.name] for p in placements], description, "GPU-1")
-            return target.apply_shared(0, placements, shared)
-
-        first, second = perturbed(checkpoint(tiny_model), 0.01), perturbed(checkpoint(tiny_model), 0.02)
+        assert target.door is not None and target.direct_receives == 0
+        assert target.staging_bytes == 0  # the relay's staging buffer went: later updates skip it
+        assert all(torch.equal(fake.weights[n], t) for n, t in first.items())
         calls = len(fake.load_formats)
-        assert await asyncio.to_thread(forward, first, '{"d":1}')
-        assert len(fake.load_formats) == calls + 3  # the probe, the bucket, the doorbell's start
-        assert target.door is not None and all(torch.equal(fake.weights[n], t) for n, t in first.items() if n in fake.weights)
 
-        assert engine._claim_door(target)
-        flushes = fake.flushes
-        waiting = asyncio.ensure_future(engine._unless_failed(fake.flush_cache()))
-        await asyncio.sleep(0.05)
-        assert not waiting.done() and fake.flushes == flushes  # nothing goes to SGLang while the doorbell is held
-        target.ringing, target.version = True, 2
-        calls = len(fake.load_formats)
-        assert await asyncio.to_thread(forward, second, '{"d":2}')
+        second = perturbed(checkpoint(tiny_model), 0.02)
+        await sync.push(second, version=2)
         assert len(fake.load_formats) == calls  # through the store, not SGLang's call
-        assert all(torch.equal(fake.weights[n], t) for n, t in second.items() if n in fake.weights)
-        assert target.rang and target.direct_receives == 1
-        target.ringing = False
-        target.door.release()
-        await asyncio.wait_for(waiting, 5)
-        assert fake.flushes == flushes + 1
+        assert all(torch.equal(fake.weights[n], t) for n, t in second.items())
+        assert target.direct_receives == 1 and engine._transfer.receiver.version == 2
+        out = await engine.generate(GREEDY)
+        assert out[0].weight_version == 2
+        last = (await engine.diagnostics()).last_receive
+        assert last is not None and last.direct and last.version == 2 and last.workers[0].apply_s > 0
 
-        engine._outstanding += 1  # a request in flight: the update goes through SGLang's call
+        # While the scheduler receives, nothing goes to SGLang (its lock held here: the receive waits).
+        loader._lock.acquire()
         try:
-            assert not engine._claim_door(target) and not target.door.busy
+            pushing = asyncio.ensure_future(sync.push(first, version=3))
+            for _ in range(100):
+                if target.door.busy:
+                    break
+                await asyncio.sleep(0.01)
+            flushes = fake.flushes
+            waiting = asyncio.ensure_future(engine._unless_failed(fake.flush_cache()))
+            await asyncio.sleep(0.1)
+            assert target.door.busy and not waiting.done() and fake.flushes == flushes
+        finally:
+            loader._lock.release()
+        await asyncio.wait_for(pushing, 10)
+        await asyncio.wait_for(waiting, 10)
+        assert fake.flushes > flushes and target.direct_receives == 2
+        assert all(torch.equal(fake.weights[n], t) for n, t in first.items())
+
+        engine._outstanding += 1  # a request in flight: the relay takes the update
+        try:
+            await sync.push(second, version=4)
         finally:
             engine._outstanding -= 1
+        assert len(fake.load_formats) > calls and target.direct_receives == 2
+        assert all(torch.equal(fake.weights[n], t) for n, t in second.items())
+
+        # Refused before anything is applied (checked by the engine: the relay drains it).
+        bad = {**second, "model.norm.weight": torch.ones(3)}
+        with pytest.raises(WeightSyncError, match="rejected before applying anything"):
+            await sync.push(bad, version=5)
+        assert all(torch.equal(fake.weights[n], t) for n, t in second.items())
+        assert target.direct_receives == 2 and not target.door.busy
+
+        # A FAKE fault: the scheduler's load fails after its first bucket was applied.
+        plan, real, seen = loader.planned_loader(fake.models[0]), None, []
+        real = plan.apply
+
+        def failing(named, load, **kw):  # noqa: ANN001, ANN202
+            seen.append(1)
+            if len(seen) == 2:
+                raise RuntimeError("injected fault in the scheduler's load")
+            return real(named, load, **kw)
+
+        plan.apply = failing  # type: ignore[method-assign]
+        try:
+            with pytest.raises(WeightSyncError, match="injected fault"):
+                await sync.push(first, version=6)
+        finally:
+            plan.apply = real  # type: ignore[method-assign]
+        last = (await engine.diagnostics()).last_receive
+        assert last is not None and last.direct and last.version == 6  # it went through the doorbell
+        with pytest.raises(WeightsInvalidated):
+            await engine.generate(GREEDY)
+        await sync.push(first, version=7)  # a complete push: serving again, through the doorbell
+        assert target.direct_receives == 3 and (await engine.generate(GREEDY))[0].weight_version == 7
         extra = (await engine.info()).extra
-        assert extra["direct_receives"] == 1
-        # Where the ring's time went: the load in the loader's thread is part of the relay's wait.
-        assert 0 < extra["door_load_ms"] <= extra["door_ring_ms"] and extra["door_wake_ms"] is not None
+        assert extra["direct_receives"] == 3
+        # Where the ring's time went: the scheduler's receive is part of the engine's wait.
+        assert 0 < extra["door_receive_ms"] <= extra["door_ring_ms"] and extra["door_wake_ms"] is not None
     finally:
         await sync.close()
-    assert engine._transfer is None and not list(loader._doors.items())  # FORGET_ALL stopped the listener
+    assert engine._transfer is None and not list(loader._doors.items())  # FORGET_ALL stopped the doorbell
 
 
-async def test_direct_receive_steps_aside_where_sglangs_scheduler_spins(tiny_model, monkeypatch) -> None:
+async def test_direct_receive_steps_aside_where_sglangs_scheduler_spins(tiny_model) -> None:
     """With ``sleep_on_idle=False`` passed (SGLang's scheduler then spins in Python between
     requests, holding the GIL the doorbell's thread would need: 143 ms pushes instead of 4.5 ms on
-    an H100) the relay never starts the loader's doorbell: every forwarded bucket goes through
-    SGLang's call. FAKES as in the test above."""
-    from rollout_engines.weights.manifest import plan_manifest, specs_of
-    from rollout_engines.weights.transports.cuda_ipc import SharedViews
-
-    views: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    fake_trainer_memory(monkeypatch, views)
-    engine, fake = make(tiny_model, weight_loaders=(LOADER,), copy_plan=True, forward_buckets=True, sleep_on_idle=False)
-    sync = await connect_weight_sync([engine], "shm")
+    an H100) no doorbell is started: every update goes through the relay and SGLang's call."""
+    engine, fake = make(tiny_model, weight_loaders=(LOADER,), copy_plan=True, sleep_on_idle=False)
+    sync = await connect_weight_sync([engine], "shm", bucket_bytes=64 * 1024)
     try:
-        await sync.push(checkpoint(tiny_model), version=1)
+        for version in (1, 2):
+            calls = len(fake.load_formats)
+            tensors = perturbed(checkpoint(tiny_model), 0.01 * version)
+            await sync.push(tensors, version=version)
+            assert len(fake.load_formats) > calls
+            assert all(torch.equal(fake.weights[n], t) for n, t in tensors.items())
         target = engine._transfer.receiver.target
-        tensors = perturbed(checkpoint(tiny_model), 0.01)
-        placements = plan_manifest(specs_of(list(tensors.items())), version=2).bucket_tensors(0)
-        views[loader.shared_name(0, "GPU-1", "{}", placements)] = [(p.name, tensors[p.name]) for p in placements]
-        shared = SharedViews([tensors[p.name] for p in placements], "{}", "GPU-1")
-        calls = len(fake.load_formats)
-        for _ in range(2):
-            assert await asyncio.to_thread(target.apply_shared, 0, placements, shared)
-        assert len(fake.load_formats) == calls + 3  # the probe and both buckets; no doorbell
         assert target.door is None and not list(loader._doors.items())
     finally:
         await sync.close()
+
+

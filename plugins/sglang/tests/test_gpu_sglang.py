@@ -183,19 +183,22 @@ def test_copy_plan_loader_records_then_replays_exactly(tiny_model, original, buc
         run(eng.close())
 
 
-def test_buckets_of_the_trainers_tensors_are_forwarded_not_staged(tiny_model, original):
+@pytest.mark.parametrize("direct", [False, True])
+def test_buckets_of_the_trainers_tensors_are_forwarded_not_staged(tiny_model, original, direct):
     """Option ``forward_buckets``, ``cuda_ipc`` with the trainer's tensors on the GPU: the relay
     forwards each bucket's description and SGLang's loader reads the trainer's memory itself (no
     staging buffer). Kept tensors and temporaries (unmapped after each bucket), in one bucket and
     in many, all land: the perturbed weights change the greedy tokens and the originals bring
-    them back. Option ``direct_receive`` (on by default): every push after the first reaches the
-    loader through its doorbell (no request runs between them)."""
+    them back. Option ``direct_receive`` (on by default): every push after the first goes through
+    the doorbell to SGLang's scheduler process, which receives it from the trainer itself (no
+    request runs between them); without it every push is forwarded by the relay."""
     from rollout_engines.weights.manifest import plan_manifest, specs_of
     from rollout_engines.weights.transports import _cuda_segments
 
     if not _cuda_segments.available():
         pytest.skip("forwarded buckets need cuda-bindings")
-    engine = create_engine("sglang", model=str(tiny_model), dtype="bfloat16", forward_buckets=True, **OPTIONS)
+    engine = create_engine("sglang", model=str(tiny_model), dtype="bfloat16", forward_buckets=True,
+                           direct_receive=direct, **OPTIONS)
     on_gpu = {n: t.cuda() for n, t in original.items()}
     changed = {n: t.cuda() for n, t in perturbed(original, seed=5).items()}
 
@@ -217,12 +220,12 @@ def test_buckets_of_the_trainers_tensors_are_forwarded_not_staged(tiny_model, or
 
     try:
         for bucket_bytes in (None, 4096):
-            reference, seen, forwarded, stager, buckets, direct = run(go(bucket_bytes))
+            reference, seen, forwarded, stager, buckets, received = run(go(bucket_bytes))
             assert seen[1] == seen[3] == seen[5] == reference
             assert seen[0] == seen[2] == seen[4] != reference
-            assert forwarded == 6 * buckets and stager is None
+            assert forwarded == (1 if direct else 6) * buckets and stager is None
             assert (buckets > 1) == (bucket_bytes is not None)
-            assert direct == 5
+            assert received == (5 if direct else 0)
     finally:
         run(engine.close())
 
@@ -245,7 +248,7 @@ def test_a_push_while_a_request_runs_goes_through_sglangs_call(tiny_model, origi
         reference = await tokens(engine)
         sync = await connect_weight_sync([engine], "cuda_ipc", timeout_s=120)
         try:
-            await sync.push(changed, version=1)  # SGLang's call; starts the loader's doorbell
+            await sync.push(changed, version=1)  # the relay and SGLang's call; starts the doorbell
             await sync.push(on_gpu, version=2)  # the doorbell
             target = engine._transfer.receiver.target
             assert target.direct_receives == 1 and await tokens(engine) == reference

@@ -5,6 +5,7 @@ and leave exactly the parameters ``load_weights`` would."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import pickle
@@ -16,10 +17,16 @@ import torch
 from rollout_engines.errors import WeightSyncError
 from rollout_engines.proxy import raise_for_workers
 from rollout_engines.weights.doorbell import Doorbell, new_door
-from rollout_engines.weights.manifest import TensorSpec, TransportSpec
-from rollout_engines.weights.transports import _store
+from rollout_engines.weights.manifest import (
+    TensorSpec,
+    TransportSpec,
+    manifest_to_wire,
+    plan_manifest,
+    specs_of,
+)
+from rollout_engines.weights.session import WeightSync
+from rollout_engines.weights.transports.shm import ShmSender
 from rollout_engines_sglang import loader, payloads
-from sglang_fake import fake_trainer_memory
 
 H, KV, FF, VOCAB = 8, 4, 12, 16
 
@@ -205,7 +212,7 @@ def test_bucket_layout_round_trips_through_the_name() -> None:
 
 
 def test_a_forwarded_bucket_round_trips_through_the_name() -> None:
-    from rollout_engines.weights.manifest import TensorPlacement, TensorSpec
+    from rollout_engines.weights.manifest import TensorPlacement
 
     placements = [
         TensorPlacement(name="model.embed_tokens.weight", dtype="bfloat16", shape=(16, 8), bucket=0, offset=0),
@@ -278,39 +285,26 @@ def test_a_grown_buffer_makes_the_loader_forget_the_old_one() -> None:
 
 
 # ---- the doorbell (option direct_receive) -----------------------------------------------------------
-# A DOOR_PREFIX entry, handed to the loader as SGLang's scheduler hands it a payload, starts a
-# listener thread on a real weight-sync store; the relay's Doorbell then rings it with a forwarded
-# bucket's name and the thread loads it into the model, answering through the store. Opening the
-# trainer's CUDA memory cannot happen on a CPU: ``shared_views`` is replaced by a fake that returns
-# CPU tensors for the forwarded bucket (fake_shared_views); everything else is the loader's own
-# code, on its own thread.
+# A DOOR_PREFIX entry, handed to the loader as SGLang's scheduler hands it a payload, makes this
+# process a receiver of a real weight-sync session (``shm``: a trainer's ShmSender and WeightSync
+# streaming here, the store's signalling) as the relay's rank, with a listener thread; the engine's
+# Doorbell then rings it with an update's manifest and the thread reads the trainer's buckets itself
+# into the model through its copy plan, answering through the store. No fake: everything is the
+# loader's and the core's own code, on the listener's thread.
 RANK = 1
 
 
-@pytest.fixture
-def spec():
-    store, options = _store.host_store({}, 30.0)
-    yield TransportSpec(transport="cuda_ipc", session_id="s" * 16, rank_offset=RANK, world_size=2, timeout_s=30.0,
-                        options=options)
-    del store
-
-
-@pytest.fixture
-def fake_shared_views(monkeypatch):
-    """Forwarded buckets' views (CPU tensors, registered by name) and the threads that read them."""
-    tensors: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    calls: list[str] = []
-    fake_trainer_memory(monkeypatch, tensors, calls)
-    return tensors, calls
-
-
-def forwarded(tensors: dict[str, list[tuple[str, torch.Tensor]]], version: int) -> str:
-    """A forwarded bucket's name carrying checkpoint ``version`` (its views registered with the fake)."""
-    named = list(_checkpoint(version).items())
-    placements = [TensorSpec(name=n, dtype="bfloat16", shape=tuple(t.shape)) for n, t in named]
-    name = loader.shared_name(0, "GPU-fake", f'{{"v":{version}}}', placements)
-    tensors[name] = named
-    return name
+@contextlib.contextmanager
+def trainer() -> Iterator[tuple[TransportSpec, WeightSync]]:
+    """A trainer's ``shm`` session for one engine (the relay's rank, ``RANK``)."""
+    sender = ShmSender(session_id="door" + new_door(), world_size=2, timeout_s=30, options={})
+    spec = TransportSpec(transport="shm", session_id=sender.session_id, rank_offset=RANK, world_size=2,
+                         timeout_s=30.0, options=sender.spec_options())
+    sync = WeightSync([], sender, transport="shm", bucket_bytes=512, timeout_s=30, checksum="none", progress=False)
+    try:
+        yield spec, sync
+    finally:
+        sender.close()
 
 
 def reference(version: int) -> Qwen2LikeSglang:
@@ -320,16 +314,18 @@ def reference(version: int) -> Qwen2LikeSglang:
 
 
 def start_listener(spec: TransportSpec, model: Qwen2LikeSglang, token: torch.Tensor) -> str:
-    """Start ``model``'s listener as SGLang's call of the loader would; returns its door's name."""
+    """Start ``model``'s doorbell as SGLang's call of the loader would; returns its door's name."""
     door = new_door()
     loader.load_bucket(model, [(loader.door_name(spec.model_dump_json(), door, RANK), token)])
     return door
 
 
 @contextlib.contextmanager
-def doorbell(spec: TransportSpec, model: Qwen2LikeSglang, token: torch.Tensor) -> Iterator[Doorbell]:
-    """A listener for ``model`` and the relay's doorbell to it, both stopped afterwards."""
+def doorbell(spec: TransportSpec, sync: WeightSync, model: Qwen2LikeSglang, token: torch.Tensor) -> Iterator[Doorbell]:
+    """A doorbell for ``model`` and the engine's Doorbell to it (the trainer connected), both
+    stopped afterwards."""
     bell = Doorbell(spec, start_listener(spec, model, token), [RANK])
+    sync.sender.connect()  # the scheduler's receiver joined: its heartbeat is what the trainer waits for
     try:
         yield bell
     finally:
@@ -337,60 +333,88 @@ def doorbell(spec: TransportSpec, model: Qwen2LikeSglang, token: torch.Tensor) -
         bell.close()
 
 
-def ring(bell: Doorbell, name: str, version: int) -> None:
+def ring(bell: Doorbell, sync: WeightSync, version: int, wire: dict | None = None) -> None:
+    """Push checkpoint ``version`` while the doorbell hands its manifest to the listener (or
+    ``wire`` instead, with nothing pushed); raises what the listener answered."""
+    state = _checkpoint(version)
+    manifest = plan_manifest(specs_of(list(state.items())), version=version, bucket_bytes=512, transport="shm",
+                             timeout_s=30)
+    pushing = None
+    if wire is None:
+        wire = manifest_to_wire(manifest)
+        pushing = threading.Thread(target=sync._stream, args=(manifest, iter(state.items())))
+        pushing.start()
     assert bell.claim()
-    try:
-        answers = bell.ring_now({"version": version, "layout": name}, timeout_s=10, check=lambda: None)
-    finally:
-        bell.release()
-    raise_for_workers(answers, "a ring", applies_weights=False, worker="SGLang scheduler")
+    answers = asyncio.run(bell.ring(wire, timeout_s=30, check=lambda: None))
+    if pushing is not None:
+        pushing.join(30)
+    raise_for_workers(answers, "a ring", applies_weights=True, worker="SGLang scheduler")
 
 
-def test_a_door_entry_starts_a_listener_that_loads_rung_buckets_until_forget_all(spec, fake_shared_views) -> None:
-    tensors, calls = fake_shared_views
+def test_a_door_entry_makes_a_receiver_that_takes_rung_updates_until_forget_all() -> None:
     model, token = Qwen2LikeSglang(), torch.zeros(1, dtype=torch.uint8)
-    with doorbell(spec, model, token) as bell:
-        listener = loader._doors[model]
-        # The first push of a name goes through load_weights (the plan records), later ones replay
-        # the plan: both on the doorbell's thread, leaving what load_weights leaves.
+    threads: list[str] = []
+    real = model.load_weights
+
+    def load_weights(weights) -> None:  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        real(weights)
+
+    model.load_weights = load_weights  # type: ignore[method-assign]
+    with trainer() as (spec, sync), doorbell(spec, sync, model, token) as bell:
+        door = loader._doors[model]
+        # The first update of a layout goes through load_weights (the plan records), later ones
+        # replay the plan: both on the doorbell's thread, leaving what load_weights leaves.
         for version in (1, 2, 3):
-            ring(bell, forwarded(tensors, version), version)
+            ring(bell, sync, version)
             _assert_same(model, reference(version))
-        assert calls == [listener._thread.name] * 3  # every load on the doorbell's thread
-        assert loader.planned_loader(model).plan.copies  # later rings replayed what the first recorded
-        # A ring that names no forwarded bucket loads nothing and says why, in its own answer.
-        with pytest.raises(WeightSyncError, match="carries one forwarded bucket's name"):
-            ring(bell, loader.PREFIX + "[]", 4)
+        assert set(threads) == {door.listener._thread.name}
+        assert loader.planned_loader(model).plan.copies  # later updates replayed what the first recorded
+        assert door.receiver.version == 3 and door.receiver.last_timings["total"] > 0
+        assert door.listener.rings == 3
+        # A ring whose manifest does not parse fails only itself, in its own answer.
+        with pytest.raises(WeightSyncError, match="SGLang scheduler"):
+            ring(bell, sync, 4, wire={"version": 4, "session_id": "x", "layout": "{not json"})
         _assert_same(model, reference(3))
-        # FORGET_ALL (the relay's weight transfer closing) stops the thread.
-        loader.load_bucket(model, [(loader.FORGET_ALL, token)])
-        listener._thread.join(10)
-        assert not listener._thread.is_alive() and model not in loader._doors
-
-
-def test_a_new_door_replaces_the_old_one_and_a_bad_entry_is_refused(spec, fake_shared_views) -> None:
-    tensors, _ = fake_shared_views
-    model, token = Qwen2LikeSglang(), torch.zeros(1, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="malformed doorbell entry"):
-        loader.load_bucket(model, [(loader.DOOR_PREFIX + '{"door": 1}', token)])
-    # A spec that does not validate: the error names no part of it (SGLang logs loader errors).
-    leaky = json.dumps({**json.loads(spec.model_dump_json()), "timeout_s": "soon"})
-    with pytest.raises(ValueError, match="malformed doorbell entry") as refused:
-        loader.load_bucket(model, [(loader.door_name(leaky, new_door(), RANK), token)])
-    assert spec.options["secret"] not in str(refused.value) and refused.value.__cause__ is None
-    assert model not in loader._doors
-    start_listener(spec, model, token)
-    old = loader._doors[model]
-    with doorbell(spec, model, token) as bell:
-        old._thread.join(10)
-        assert not old._thread.is_alive() and loader._doors[model] is not old
-        ring(bell, forwarded(tensors, 5), 5)
+        ring(bell, sync, 5)
         _assert_same(model, reference(5))
+        # FORGET_ALL (the relay's weight transfer closing) stops the thread and closes the receiver.
+        loader.load_bucket(model, [(loader.FORGET_ALL, token)])
+        door.listener._thread.join(10)
+        assert not door.listener._thread.is_alive() and model not in loader._doors
+        assert door.receiver.transport is None
 
 
-def test_a_load_by_sglangs_call_waits_for_a_ring_in_progress(spec, fake_shared_views) -> None:
+def test_a_new_door_replaces_the_old_one_and_a_bad_entry_is_refused() -> None:
+    model, token = Qwen2LikeSglang(), torch.zeros(1, dtype=torch.uint8)
+    with trainer() as (spec, sync):
+        with pytest.raises(ValueError, match="malformed doorbell entry"):
+            loader.load_bucket(model, [(loader.DOOR_PREFIX + '{"door": 1}', token)])
+        # A spec that does not validate: the error names no part of it (SGLang logs loader errors).
+        leaky = json.dumps({**json.loads(spec.model_dump_json()), "timeout_s": "soon"})
+        with pytest.raises(ValueError, match="malformed doorbell entry") as refused:
+            loader.load_bucket(model, [(loader.door_name(leaky, new_door(), RANK), token)])
+        assert spec.options["secret"] not in str(refused.value) and refused.value.__cause__ is None
+        # Transports this process cannot receive as the relay's rank, or not here.
+        gloo = spec.model_copy(update={"transport": "gloo"}).model_dump_json()
+        with pytest.raises(ValueError, match="no doorbell for 'gloo'"):
+            loader.load_bucket(model, [(loader.door_name(gloo, new_door(), RANK), token)])
+        ipc = spec.model_copy(update={"transport": "cuda_ipc"}).model_dump_json()
+        with pytest.raises(RuntimeError, match="cuda_ipc doorbell needs|this SGLang rank is on GPU"):
+            loader.load_bucket(model, [(loader.door_name(ipc, new_door(), RANK, "GPU-elsewhere"), token)])
+        assert model not in loader._doors
+        start_listener(spec, model, token)
+        old = loader._doors[model]
+        with doorbell(spec, sync, model, token) as bell:
+            old.listener._thread.join(10)
+            assert not old.listener._thread.is_alive() and loader._doors[model] is not old
+            assert old.receiver.transport is None
+            ring(bell, sync, 5)
+            _assert_same(model, reference(5))
+
+
+def test_a_load_by_sglangs_call_waits_for_a_ring_in_progress() -> None:
     """One lock around every load: SGLang's own call of the loader never runs beside the doorbell's."""
-    tensors, _ = fake_shared_views
     model, token = Qwen2LikeSglang(), torch.zeros(1, dtype=torch.uint8)
     entered, go = threading.Event(), threading.Event()
     real = model.load_weights
@@ -401,8 +425,8 @@ def test_a_load_by_sglangs_call_waits_for_a_ring_in_progress(spec, fake_shared_v
         real(weights)
 
     model.load_weights = slow  # type: ignore[method-assign]
-    with doorbell(spec, model, token) as bell:
-        ringer = threading.Thread(target=ring, args=(bell, forwarded(tensors, 6), 6))
+    with trainer() as (spec, sync), doorbell(spec, sync, model, token) as bell:
+        ringer = threading.Thread(target=ring, args=(bell, sync, 6))
         ringer.start()
         assert entered.wait(10)
         other = threading.Thread(target=loader.load_bucket, args=(model, [("model.norm.weight", torch.ones(8))]))
