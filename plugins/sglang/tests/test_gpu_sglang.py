@@ -166,6 +166,29 @@ def test_push_changes_then_restores_outputs(engine, original, transport, tmp_pat
     assert run(tokens(engine)) == reference
 
 
+@pytest.mark.parametrize("transport", ["cuda_ipc", "shm"])
+def test_the_scheduler_receives_packed_buckets_through_the_doorbell(engine, original, transport):
+    """Option ``direct_receive`` (on by default) with buckets the trainer packs (host tensors: IPC
+    slots on the GPU for ``cuda_ipc``, shared memory for ``shm``): after the first update of a
+    weight transfer, which the relay takes, SGLang's scheduler receives the rest itself, opening
+    the trainer's slots there; each push changes or restores the greedy tokens."""
+    async def go():
+        reference = await tokens(engine)
+        sync = await connect_weight_sync([engine], transport, timeout_s=120, bucket_bytes=1 << 20)
+        try:
+            seen = []
+            for named in (perturbed(original, seed=7), original, perturbed(original, seed=8), original):
+                await sync.push(named, version=engine.weight_version + 1)
+                seen.append(await tokens(engine))
+            return reference, seen, (await engine.info()).extra["direct_receives"]
+        finally:
+            await sync.close()
+
+    reference, seen, direct = run(go())
+    assert seen[1] == seen[3] == reference and seen[0] != reference and seen[2] != reference
+    assert direct == 3
+
+
 @pytest.mark.parametrize("bucket_bytes", [None, 4096])
 def test_copy_plan_loader_records_then_replays_exactly(tiny_model, original, bucket_bytes):
     """Option ``copy_plan``: SGLang imports the plugin's loader; the first push records where each
