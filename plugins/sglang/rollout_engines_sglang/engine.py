@@ -1024,7 +1024,7 @@ class SglangEngine(Engine):
             raise
         # The host's receiver: 'apply' is staging (or forwarding) plus SGLang's update_weights_from_tensor.
         self._last_receive = LastReceive(version=manifest.version, workers=[ReceiveTimings.of(receiver.last_timings)])
-        if target.door is None:
+        if not target.door_tried:  # once per weight transfer, off the loop (SGLang's call, store joins)
             await asyncio.to_thread(target.start_door)
             if target.door is not None:  # later updates skip the relay: its staging buffer goes
                 await target.release()
@@ -1220,7 +1220,8 @@ class _RelayTarget:
         self.spec = spec
         #: The doorbell to SGLang's scheduler (option direct_receive), once started.
         self.door: Doorbell | None = None
-        self._door_tried = False
+        #: Whether :meth:`start_door` ran for this weight transfer (it starts the doorbell or not, once).
+        self.door_tried = False
         self._checked: tuple[Any, Any, bool] | None = None  # the layout and specs takes_direct checked
         #: Updates of this weight transfer that went through the doorbell.
         self.direct_receives = 0
@@ -1290,11 +1291,12 @@ class _RelayTarget:
         from .loader import DOOR_TRANSPORTS, LOADER, door_name
 
         engine = self.engine
-        if (self._door_tried or not engine.options.direct_receive or not has_store(self.spec)
-                or self.spec.transport not in DOOR_TRANSPORTS or self.load_format != LOADER
-                or engine.runtime.tp_size != 1):
+        if self.door_tried:
             return
-        self._door_tried = True
+        self.door_tried = True  # what decides it does not change while the weight transfer lasts
+        if (not engine.options.direct_receive or not has_store(self.spec) or self.spec.transport not in DOOR_TRANSPORTS
+                or self.load_format != LOADER or engine.runtime.tp_size != 1):
+            return
         if (engine.options.model_extra or {}).get("sleep_on_idle") is False:
             # Seen on an H100 (benchmarks/RESULTS.md): with SGLang's scheduler spinning between
             # requests the doorbell's thread waited ~67 ms for the GIL per ring, a ~1B push took
@@ -1418,7 +1420,7 @@ class _RelayTarget:
             self._mapped, self._forwards, self._token = False, None, None
         door = self.door
         if shared and door is not None:  # the loader stopped its listener on FORGET_ALL
-            self.door, self._door_tried = None, False
+            self.door, self.door_tried = None, False
             await asyncio.to_thread(door.close)
         del stager, buffer
         if self.device.type == "cuda":

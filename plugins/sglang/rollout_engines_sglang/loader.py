@@ -200,14 +200,22 @@ def _state(model: Any) -> _Forwarded:
     return state
 
 
+def _on_trainers_gpu(device: Any, wanted: str | None, what: str) -> None:
+    """Raise unless this process can open the trainer's CUDA memory on GPU ``wanted`` (``device``: a
+    callable giving this process's device, called only where cuda-bindings are there)."""
+    if not available():
+        raise RuntimeError(f"{what} need cuda-bindings in SGLang's processes")
+    here = device_uuid(device())
+    if here != wanted:
+        raise RuntimeError(f"this SGLang rank is on GPU {here}, the trainer's tensors on {wanted}")
+
+
 def probe(model: Any, name: str) -> None:
     """Raise unless this rank can open the trainer's memory on the GPU ``name`` names."""
-    wanted = name[len(PROBE):]
-    if not available():
-        raise RuntimeError("forwarded buckets need cuda-bindings in SGLang's processes; relaying by staging")
-    here = device_uuid(_state(model).importer.device)
-    if here != wanted:
-        raise RuntimeError(f"this SGLang rank is on GPU {here}, the trainer's tensors on {wanted}; relaying by staging")
+    try:
+        _on_trainers_gpu(lambda: _state(model).importer.device, name[len(PROBE):], "forwarded buckets")
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}; relaying by staging") from None
 
 
 def shared_views(model: Any, name: str) -> list[tuple[str, torch.Tensor]]:
@@ -263,10 +271,7 @@ class _ModelTarget:
         return self._specs
 
     def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
-        def load(items: list[tuple[str, torch.Tensor]]) -> None:
-            self.model.load_weights(items)
-
-        planned_loader(self.model).apply(list(named), load, owned=owned)
+        _apply_planned(self.model, list(named), owned=owned)
 
 
 @dataclass
@@ -274,8 +279,7 @@ class _Door:
     """A model's doorbell: the listener thread and the session receiver it runs for each ring."""
 
     listener: DoorbellListener
-    receiver: WeightReceiver
-    target: _ModelTarget
+    receiver: WeightReceiver  # its target: a _ModelTarget
 
     def close(self) -> None:
         self.listener.close()  # a receive in progress finishes first
@@ -319,10 +323,7 @@ def start_door(model: Any, name: str) -> None:
         if index is None:
             raise RuntimeError("a cuda_ipc doorbell needs CUDA in SGLang's processes")
         device = torch.device("cuda", index)
-        if not available():
-            raise RuntimeError("a cuda_ipc doorbell needs cuda-bindings in SGLang's processes")
-        if uuid != device_uuid(device):
-            raise RuntimeError(f"this SGLang rank is on GPU {device_uuid(device)}, the trainer's tensors on {uuid}")
+        _on_trainers_gpu(lambda: device, uuid, "cuda_ipc doorbells")
 
     def setup() -> None:  # the CUDA device is per thread
         if index is not None:
@@ -337,7 +338,7 @@ def start_door(model: Any, name: str) -> None:
     except BaseException:
         receiver.close()
         raise
-    _doors[model] = _Door(listener, receiver, target)
+    _doors[model] = _Door(listener, receiver)
 
 
 def _door_receive(model: Any, wire: dict[str, Any]) -> dict[str, Any]:
@@ -349,7 +350,9 @@ def _door_receive(model: Any, wire: dict[str, Any]) -> dict[str, Any]:
     if door is None:
         raise RuntimeError("the doorbell of this model was stopped")
     manifest = manifest_from_wire(wire)
-    door.target.select(manifest)
+    target = door.receiver.target
+    assert isinstance(target, _ModelTarget)
+    target.select(manifest)
     with torch.no_grad():  # grad mode is per thread; SGLang loads under no_grad
         version = door.receiver.receive(manifest)
     if torch.cuda.is_available():
@@ -360,6 +363,14 @@ def _door_receive(model: Any, wire: dict[str, Any]) -> dict[str, Any]:
     sent = wire.get("sent")
     return {"ok": True, "version": version, "timings": door.receiver.last_timings,
             "wake_s": woke - sent if isinstance(sent, float) else None, "answered": time.time()}
+
+
+def _apply_planned(model: Any, named: list[tuple[str, torch.Tensor]], *, owned: bool) -> None:
+    """Load ``named`` into ``model`` through its copy plan (``load_weights`` where it cannot replay)."""
+    def load(items: list[tuple[str, torch.Tensor]]) -> None:
+        model.load_weights(items)
+
+    planned_loader(model).apply(named, load, owned=owned)
 
 
 def planned_loader(model: Any) -> PlannedLoader:
@@ -435,11 +446,8 @@ def _load(model: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None
     if not named:
         return
 
-    def load(items: list[tuple[str, torch.Tensor]]) -> None:
-        model.load_weights(items)
-
     # Not owned: the views are of the sender's staging buffer, which it refills once SGLang answers.
-    planned_loader(model).apply(named, load, owned=False)
+    _apply_planned(model, named, owned=False)
     # SGLang answers without waiting for the GPU; the copies must be done before the sender reuses
     # its buffer (load_weights' Python loop hid this, direct copies return at once).
     devices = {t.device for _, t in named if t.is_cuda}
