@@ -2,6 +2,7 @@
 
     python benchmarks/copy_kernels.py [--size-mb 3072] [--tensors 320] [--buckets 12]
     python benchmarks/copy_kernels.py --shape qwen3-14b [--bucket-mb 2048]
+    python benchmarks/copy_kernels.py --shape medium      # RESULTS.md's $MEDIUM (~1B, 195 tensors)
 
 The limit under a receiver that copies into an engine's parameters: one flat copy of the same
 bytes (the ``bench weight-sync`` baseline), ``torch._foreach_copy_`` eager and replayed from a
@@ -23,8 +24,12 @@ import argparse
 import json
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rollout_engines.testing.shapes import Shape
 
 Tensors = Sequence[torch.Tensor]
 
@@ -118,12 +123,20 @@ def measure(methods: dict[str, Callable[[], Callable[[], object]]], dst: Tensors
             out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
+def medium_shape() -> Shape:
+    """The shape of RESULTS.md's ``$MEDIUM`` checkpoint (not a Qwen3 card: a small vocabulary)."""
+    from rollout_engines.testing.shapes import Shape
+
+    return Shape(hidden=2048, layers=16, heads=16, kv_heads=4, head_dim=128, intermediate=8192,
+                 tie_word_embeddings=False, vocab_size=1024)
+
+
 def shape_main(name: str, bucket_mb: float) -> None:
     """The tensors of a named shape, as slices of one flat buffer each side (256-byte aligned)."""
     from rollout_engines.testing.shapes import SHAPES, tensor_shapes
 
     dev = torch.device("cuda", 0)
-    shapes = [s for _, s in tensor_shapes(SHAPES[name], qwen3=False)]
+    shapes = [s for _, s in tensor_shapes(medium_shape() if name == "medium" else SHAPES[name], qwen3=False)]
     sizes = [int(torch.Size(s).numel()) for s in shapes]
     offsets, end = [], 0
     for n in sizes:
@@ -165,7 +178,8 @@ def main() -> None:
     parser.add_argument("--size-mb", type=float, default=3072)
     parser.add_argument("--tensors", type=int, default=320)
     parser.add_argument("--buckets", type=int, default=12)
-    parser.add_argument("--shape", default=None, help="a named shape of rollout_engines.testing.shapes")
+    parser.add_argument("--shape", default=None,
+                        help="a named shape of rollout_engines.testing.shapes, or 'medium' (RESULTS.md's $MEDIUM)")
     parser.add_argument("--bucket-mb", type=float, default=2048, help="bucket size with --shape")
     args = parser.parse_args()
     if args.shape:
