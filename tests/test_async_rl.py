@@ -3,22 +3,14 @@ a per-token correction from their versions; without pushes it does not learn."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from repo_scripts import load_script
 
 pytestmark = [pytest.mark.transformers, pytest.mark.timeout(600)]
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "async_rl.py"
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("async_rl", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/async_rl.py")
 
 
 def test_async_rl_learns_with_pushes_and_not_without(tiny_model):

@@ -3,17 +3,12 @@ checkpoint (the GPU part needs CUDA; the shape does not)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
+from repo_scripts import load_script
 from rollout_engines.testing.shapes import tensor_shapes
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "copy_kernels.py"
-_spec = importlib.util.spec_from_file_location("copy_kernels", _PATH)
-assert _spec and _spec.loader
-copy_kernels = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(copy_kernels)
+copy_kernels = load_script("benchmarks/copy_kernels.py")
 
 
 def test_the_medium_shape_is_the_medium_checkpoints_tensors():

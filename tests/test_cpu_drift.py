@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from repo_scripts import ROOT, load_script
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_drift.py"
-_spec = importlib.util.spec_from_file_location("cpu_drift", _PATH)
-assert _spec and _spec.loader
-cpu_drift = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cpu_drift)
+_PATH = ROOT / "benchmarks" / "cpu_drift.py"
+cpu_drift = load_script("benchmarks/cpu_drift.py")
 
 
 def test_probe_reports_each_pause_and_the_spread_over_rounds(capsys):

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from repo_scripts import load_script
 
 pytestmark = [pytest.mark.transformers, pytest.mark.timeout(300)]
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "toy_rl.py"
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("toy_rl", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/toy_rl.py")
 
 
 @pytest.mark.parametrize("transport", ["shm"])  # the engine runs in its own process

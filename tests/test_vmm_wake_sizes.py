@@ -3,16 +3,10 @@ shape's allocations as vLLM's loader makes them, their merge into fewer, and the
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from repo_scripts import load_script
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "vmm_wake.py"
-_spec = importlib.util.spec_from_file_location("vmm_wake", _PATH)
-assert _spec and _spec.loader
-vmm_wake = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vmm_wake)
+vmm_wake = load_script("benchmarks/vmm_wake.py")
 
 
 def test_the_14b_shape_has_its_weights_allocations_at_the_driver_granularity():
