@@ -10,6 +10,7 @@ Everything else is real: the protocol classes, the store, ``WeightSync``'s strea
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -150,3 +151,88 @@ def test_failures_count_for_the_update_they_were_reported_for() -> None:
     _store.report_failure(kv, 1, "no token")
     with pytest.raises(WeightSyncError, match="receiver rank 1 gave up: no token"):
         watch.check(0)
+
+
+def _pair(session: str, timeout_s: float = 30) -> tuple[ShmSender, WeightReceiver, torch.nn.Module, WeightSync]:
+    sender = ShmSender(session_id=session, world_size=2, timeout_s=timeout_s, options={})
+    spec = TransportSpec(transport="shm", session_id=session, world_size=2, timeout_s=timeout_s,
+                         options=sender.spec_options())
+    module = _module()
+    receiver = WeightReceiver(StateDictTarget(module), mode="inplace")
+    receiver.transport = ShmReceiver(spec, rank=1)
+    receiver.transport.connect()
+    sender.connect()
+    sync = WeightSync([], sender, transport="shm", bucket_bytes=2048, timeout_s=timeout_s, checksum="sum64",
+                      progress=False)
+    return sender, receiver, module, sync
+
+
+def _receive_into(receiver: WeightReceiver, manifest: WeightManifest, errors: list[BaseException]) -> None:
+    try:
+        receiver.receive(manifest)
+    except BaseException as exc:  # the caller asserts on it
+        errors.append(exc)
+
+
+def test_a_receiver_ahead_of_the_sender_is_woken_by_the_store_not_by_polling() -> None:
+    """A receiver that starts an update before anything of it is published waits on the store for
+    the update's log (woken when the first bucket is appended) instead of reading the log over and
+    over: a quarter second ahead of the sender, it reads the log a handful of times, not hundreds."""
+    sender, receiver, module, sync = _pair("ahead0")
+    reads = 0
+    read_log = receiver.transport._read_log
+
+    def counted(index: int) -> bool:
+        nonlocal reads
+        reads += 1
+        return read_log(index)
+
+    receiver.transport._read_log = counted  # type: ignore[method-assign]
+    try:
+        for version in (1, 2):
+            torch.manual_seed(version)
+            state = {k: v.detach().clone() for k, v in _module().state_dict().items()}
+            manifest = plan_manifest(specs_of(list(state.items())), version=version, bucket_bytes=2048,
+                                     transport="shm", timeout_s=30)
+            errors: list[BaseException] = []
+            reads = 0
+            thread = threading.Thread(target=_receive_into, args=(receiver, manifest, errors))
+            thread.start()
+            time.sleep(0.25)  # the receiver is waiting for bucket 0 all this time
+            ahead = reads
+            sync._stream(manifest, iter(state.items()))
+            thread.join(30)
+            assert not errors, errors
+            assert all(torch.equal(t, state[n]) for n, t in module.state_dict().items())
+            assert ahead <= 2, ahead  # one look before the wait; polling would have read ~1000 times
+            assert reads > ahead  # then it read the buckets as they came
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_an_abort_before_the_first_bucket_ends_a_waiting_receive_within_a_second() -> None:
+    """The store-woken wait still looks at the sender's abort between its waits: an update the
+    trainer gives up before publishing anything fails the receive at once, not at the timeout."""
+    from rollout_engines.errors import WeightSyncError
+
+    sender, receiver, _, sync = _pair("ahead1", timeout_s=60)
+    state = {k: v.detach().clone() for k, v in _module().state_dict().items()}
+    manifest = plan_manifest(specs_of(list(state.items())), version=1, bucket_bytes=2048, transport="shm",
+                             timeout_s=60)
+    caught: list[BaseException] = []
+    try:
+        thread = threading.Thread(target=_receive_into, args=(receiver, manifest, caught))
+        thread.start()
+        time.sleep(0.2)
+        sender.begin(manifest)
+        sender.abort("the trainer gave up on this update")
+        start = time.monotonic()
+        thread.join(10)
+        waited = time.monotonic() - start
+        assert not thread.is_alive(), "the receive kept waiting after the abort"
+        assert caught and isinstance(caught[0], WeightSyncError), caught
+        assert "gave up" in str(caught[0]) and waited < 5, (waited, caught[0])
+    finally:
+        receiver.close()
+        sender.close()

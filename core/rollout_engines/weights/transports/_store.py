@@ -267,6 +267,36 @@ def poll(
         raise WeightSyncError(f"lost the rendezvous store ({_short(exc)}); {peer} is gone", peer=peer, bucket=bucket) from exc
 
 
+def wait_for(
+    store: SignedStore,
+    key: str,
+    *,
+    timeout_s: float,
+    check: Callable[[], None],
+    on_timeout: Callable[[], Exception],
+    peer: str = TRAINER,
+    bucket: int | None = None,
+) -> None:
+    """Block until ``key`` exists: the store wakes the wait the moment it is set (no polling
+    naps), in waits of :data:`CHECK_EVERY_S` with ``check()`` between them; past the timeout
+    ``on_timeout()`` is raised. A broken store connection becomes a :class:`WeightSyncError`."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise on_timeout()
+            try:
+                store.wait([key], datetime.timedelta(seconds=min(CHECK_EVERY_S, left)))
+                return
+            except dist.DistStoreError:  # not set within this wait (the connection stays usable)
+                check()
+    except WeightSyncError:
+        raise
+    except Exception as exc:
+        raise WeightSyncError(f"lost the rendezvous store ({_short(exc)}); {peer} is gone", peer=peer, bucket=bucket) from exc
+
+
 class Heartbeat:
     """Receiver side: bumps ``hb/<rank>`` every half second on its own store connection, and
     notices when the trainer (which hosts the store) is gone."""
