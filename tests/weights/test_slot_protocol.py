@@ -175,9 +175,11 @@ def _receive_into(receiver: WeightReceiver, manifest: WeightManifest, errors: li
 
 
 def test_a_receiver_ahead_of_the_sender_is_woken_by_the_store_not_by_polling() -> None:
-    """A receiver that starts an update before anything of it is published waits on the store for
-    the update's log (woken when the first bucket is appended) instead of reading the log over and
-    over: a quarter second ahead of the sender, it reads the log a handful of times, not hundreds."""
+    """A receiver that starts an update before anything of it is published polls the log while the
+    wait is young, then waits on the store for the update's log (woken when the first bucket is
+    appended) instead of reading it over and over: from 0.1 s to 0.5 s ahead of the sender it
+    reads the log once or twice (a wait times out every 0.5 s to check the sender), not hundreds
+    of times."""
     sender, receiver, module, sync = _pair("ahead0")
     reads = 0
     read_log = receiver.transport._read_log
@@ -198,14 +200,16 @@ def test_a_receiver_ahead_of_the_sender_is_woken_by_the_store_not_by_polling() -
             reads = 0
             thread = threading.Thread(target=_receive_into, args=(receiver, manifest, errors))
             thread.start()
-            time.sleep(0.25)  # the receiver is waiting for bucket 0 all this time
-            ahead = reads
+            time.sleep(0.1)  # past the young wait's polling (20 ms)
+            young = reads
+            time.sleep(0.4)  # the receiver is waiting for bucket 0 all this time
+            ahead = reads - young
             sync._stream(manifest, iter(state.items()))
             thread.join(30)
             assert not errors, errors
             assert all(torch.equal(t, state[n]) for n, t in module.state_dict().items())
-            assert ahead <= 2, ahead  # one look before the wait; polling would have read ~1000 times
-            assert reads > ahead  # then it read the buckets as they came
+            assert young > 0 and ahead <= 2, (young, ahead)  # polling with 2 ms naps: ~200 reads here
+            assert reads > young + ahead  # then it read the buckets as they came
     finally:
         receiver.close()
         sender.close()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import Any, ClassVar
 
 import torch
@@ -295,20 +294,20 @@ class SlotReceiver(TransportReceiver):
 
     def recv_bucket(self, index: int, nbytes: int) -> tuple[BucketHeader, torch.Tensor | list[torch.Tensor]]:
         with _store.trainer_link(index):
-            if index not in self._infos and not self._read_log(index):
-                deadline = time.monotonic() + self.timeout_s
-
-                def late() -> WeightSyncError:
-                    return WeightSyncError(f"{self.name}: rank {self.rank} got no bucket within "
-                                           f"{self.timeout_s:.0f} s", peer=TRAINER, bucket=index)
-
-                if self._log_read == 0:
-                    # Nothing of this update is published yet (its log is not there): the store
-                    # wakes this wait the moment it is, where polling would nap first.
-                    _store.wait_for(self._kv, f"{self._token}/log", timeout_s=self.timeout_s,
-                                    check=lambda: self._check(index), on_timeout=late, bucket=index)
-                _store.poll(lambda: self._read_log(index), timeout_s=max(0.0, deadline - time.monotonic()),
-                            check=lambda: self._check(index), on_timeout=late, bucket=index)
+            if index not in self._infos:
+                _store.poll(
+                    lambda: self._read_log(index),
+                    timeout_s=self.timeout_s,
+                    check=lambda: self._check(index),
+                    bucket=index,
+                    on_timeout=lambda: WeightSyncError(
+                        f"{self.name}: rank {self.rank} got no bucket within {self.timeout_s:.0f} s",
+                        peer=TRAINER, bucket=index,
+                    ),
+                    # Nothing of this update read yet: until its log exists (the first bucket's
+                    # description creates it), a long wait is woken by the store, not by a nap.
+                    until_set=(self._kv, f"{self._token}/log") if self._log_read == 0 else None,
+                )
             info = self._infos.pop(index)
         # Opening is not a store operation: its errors (e.g. from the device) keep their own names.
         self._must_ack[index] = bool(info.pop("ack", True))

@@ -47,6 +47,9 @@ DEFAULT_HOST = "127.0.0.1"
 HEARTBEAT_S = 0.5
 DEFAULT_DEAD_AFTER_S = 10.0
 CHECK_EVERY_S = 0.5
+#: A wait younger than this polls with naps of at most 50 us (a GPU bucket, or a whole zero-copy
+#: push, takes a few milliseconds); an older one backs off, or blocks on the store where it can.
+YOUNG_S = 0.02
 TRAINER = "trainer (rank 0)"
 
 
@@ -242,10 +245,14 @@ def poll(
     on_timeout: Callable[[], Exception],
     peer: str = TRAINER,
     bucket: int | None = None,
+    until_set: tuple[SignedStore, str] | None = None,
 ) -> None:
     """Wait until ``done()`` with a short back-off; ``check()`` (raises on a dead peer) runs twice a
     second; past the timeout ``on_timeout()`` is raised. A broken store connection (its host,
-    ``peer``, is gone) becomes a :class:`WeightSyncError` too."""
+    ``peer``, is gone) becomes a :class:`WeightSyncError` too. ``until_set=(store, key)``: once
+    the wait is older than :data:`YOUNG_S` and while ``key`` is not set, block on the store
+    instead of napping (it wakes the wait the moment the key is set, where the naps have grown to
+    milliseconds; what ``done()`` waits for comes with the key), then poll as usual."""
     start = time.monotonic()
     deadline, next_check, nap = start + timeout_s, start + CHECK_EVERY_S, 1e-5
     try:
@@ -256,41 +263,18 @@ def poll(
                 next_check = now + CHECK_EVERY_S
             if now >= deadline:
                 raise on_timeout()
+            if until_set is not None and now - start >= YOUNG_S:
+                try:
+                    until_set[0].wait([until_set[1]], datetime.timedelta(seconds=min(CHECK_EVERY_S, deadline - now)))
+                    until_set = None  # set: whatever else done() waits for is polled
+                except dist.DistStoreError:  # not set within this wait (the connection stays usable)
+                    pass
+                continue
             time.sleep(nap)
             # Short naps while the wait is young (a GPU bucket or a whole zero-copy push takes a
             # few milliseconds), then back off so a long wait costs no CPU.
             age = now - start
-            nap = min(nap * 2, 5e-5 if age < 0.02 else 2e-4 if age < 0.1 else 2e-3)
-    except WeightSyncError:
-        raise
-    except Exception as exc:
-        raise WeightSyncError(f"lost the rendezvous store ({_short(exc)}); {peer} is gone", peer=peer, bucket=bucket) from exc
-
-
-def wait_for(
-    store: SignedStore,
-    key: str,
-    *,
-    timeout_s: float,
-    check: Callable[[], None],
-    on_timeout: Callable[[], Exception],
-    peer: str = TRAINER,
-    bucket: int | None = None,
-) -> None:
-    """Block until ``key`` exists: the store wakes the wait the moment it is set (no polling
-    naps), in waits of :data:`CHECK_EVERY_S` with ``check()`` between them; past the timeout
-    ``on_timeout()`` is raised. A broken store connection becomes a :class:`WeightSyncError`."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise on_timeout()
-            try:
-                store.wait([key], datetime.timedelta(seconds=min(CHECK_EVERY_S, left)))
-                return
-            except dist.DistStoreError:  # not set within this wait (the connection stays usable)
-                check()
+            nap = min(nap * 2, 5e-5 if age < YOUNG_S else 2e-4 if age < 0.1 else 2e-3)
     except WeightSyncError:
         raise
     except Exception as exc:
