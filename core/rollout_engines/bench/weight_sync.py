@@ -159,6 +159,10 @@ class BenchReceiverEngine(Engine):
             "timings": self.receiver.last_timings,
         }
 
+    async def _close_weight_transfer(self) -> None:
+        # Before the trainer closes its store: a receiver still connected would find it gone.
+        self.receiver.close()
+
     async def _close(self) -> None:
         self.receiver.close()
 

@@ -304,9 +304,6 @@ class SlotReceiver(TransportReceiver):
                         f"{self.name}: rank {self.rank} got no bucket within {self.timeout_s:.0f} s",
                         peer=TRAINER, bucket=index,
                     ),
-                    # Nothing of this update read yet: until its log exists (the first bucket's
-                    # description creates it), a long wait is woken by the store, not by a nap.
-                    until_set=(self._kv, f"{self._token}/log") if self._log_read == 0 else None,
                 )
             info = self._infos.pop(index)
         # Opening is not a store operation: its errors (e.g. from the device) keep their own names.

@@ -48,7 +48,8 @@ HEARTBEAT_S = 0.5
 DEFAULT_DEAD_AFTER_S = 10.0
 CHECK_EVERY_S = 0.5
 #: A wait younger than this polls with naps of at most 50 us (a GPU bucket, or a whole zero-copy
-#: push, takes a few milliseconds); an older one backs off, or blocks on the store where it can.
+#: push, takes a few milliseconds); an older one backs off. Waits never block on the store: a
+#: TCPStore client logs two warnings each time a blocking wait times out.
 YOUNG_S = 0.02
 TRAINER = "trainer (rank 0)"
 
@@ -245,14 +246,10 @@ def poll(
     on_timeout: Callable[[], Exception],
     peer: str = TRAINER,
     bucket: int | None = None,
-    until_set: tuple[SignedStore, str] | None = None,
 ) -> None:
     """Wait until ``done()`` with a short back-off; ``check()`` (raises on a dead peer) runs twice a
     second; past the timeout ``on_timeout()`` is raised. A broken store connection (its host,
-    ``peer``, is gone) becomes a :class:`WeightSyncError` too. ``until_set=(store, key)``: once
-    the wait is older than :data:`YOUNG_S` and while ``key`` is not set, block on the store
-    instead of napping (it wakes the wait the moment the key is set, where the naps have grown to
-    milliseconds; what ``done()`` waits for comes with the key), then poll as usual."""
+    ``peer``, is gone) becomes a :class:`WeightSyncError` too."""
     start = time.monotonic()
     deadline, next_check, nap = start + timeout_s, start + CHECK_EVERY_S, 1e-5
     try:
@@ -263,13 +260,6 @@ def poll(
                 next_check = now + CHECK_EVERY_S
             if now >= deadline:
                 raise on_timeout()
-            if until_set is not None and now - start >= YOUNG_S:
-                try:
-                    until_set[0].wait([until_set[1]], datetime.timedelta(seconds=min(CHECK_EVERY_S, deadline - now)))
-                    until_set = None  # set: whatever else done() waits for is polled
-                except dist.DistStoreError:  # not set within this wait (the connection stays usable)
-                    pass
-                continue
             time.sleep(nap)
             # Short naps while the wait is young (a GPU bucket or a whole zero-copy push takes a
             # few milliseconds), then back off so a long wait costs no CPU.
