@@ -215,3 +215,22 @@ def test_listeners_stop_when_closed_or_when_the_store_goes():
     listener._thread.join(10)
     assert not listener._thread.is_alive()
     assert isinstance(dist.DistStoreError("x"), RuntimeError)
+
+
+async def test_a_long_push_logs_one_timed_out_wait_not_one_per_health_check(spec, monkeypatch, capfd):
+    """The host blocks in the store for its answers, checking the engine's health between waits.
+    Each blocked wait that times out makes the store's client log two warnings; a push that
+    outlasts the first wait is polled for from then on, so it logs them once, however long it
+    takes, and its answers still come back."""
+    from rollout_engines.weights import doorbell
+
+    monkeypatch.setattr(doorbell, "ANSWER_WAIT_S", 0.2)  # a 1.2 s push: six health checks
+    checks = []
+    with rigged(spec, lambda rank, w: (time.sleep(1.2), {"ok": True, "rank": rank})[1]) as (door, workers, bell):
+        capfd.readouterr()
+        assert bell.claim()
+        answers = await bell.ring(wire(1), timeout_s=30, check=lambda: checks.append(time.monotonic()))
+        err = capfd.readouterr().err
+    assert answers == [{"ok": True, "rank": 1}, {"ok": True, "rank": 2}]
+    assert len(checks) >= 4  # the engine's health was still checked while the push ran
+    assert err.count("timed out after") == 1, err[:2000]

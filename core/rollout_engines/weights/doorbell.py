@@ -16,7 +16,9 @@ already joined for the transport (``shm``, ``cuda_ipc``, ``gloo``, ``nccl``; see
   does not change); each worker runs the receive it would have run for the RPC and sets
   ``door/<door>/<n>/done/<rank>`` to its result, then deletes its own keys of the ring before;
 - the host's one thread waits for every worker's answer in a blocked ``multi_get``, checking the
-  engine's health every :data:`ANSWER_WAIT_S` and giving up at the update's timeout.
+  engine's health every :data:`ANSWER_WAIT_S` and giving up at the update's timeout (a push that
+  outlasts the first blocked wait is then polled for: each blocked wait that times out makes the
+  TCPStore client log two warnings).
 
 Every value carries the session's signature (:class:`~.transports._store.SignedStore`): only
 the trainer and its engines hold the secret, so nothing else can ring a worker or answer for
@@ -57,6 +59,8 @@ LISTEN_S = 3600.0
 #: How long the host waits for the workers' answers at a time, between checks of the engine's
 #: health (a push on one machine takes milliseconds; longer ones log a line per wait).
 ANSWER_WAIT_S = 2.0
+#: The longest nap between looks at the answers once a push outlasted the first blocked wait.
+ANSWER_POLL_S = 0.005
 _STOP = "stop"
 
 
@@ -164,15 +168,24 @@ class Doorbell:
         kv, deadline = self._kv, time.monotonic() + timeout_s
         done = [f"door/{self.door}/{header['ring']}/done/{r}" for r in self.ranks]
         forged, checked = 0, time.monotonic()
+        # Blocked in the store first (woken the moment the last answer is stored). A blocked wait
+        # that times out makes the store's client log two warnings, so a push that outlasts one
+        # (a long gloo or nccl update) is polled for from then on, which logs nothing.
+        blocking, nap = True, 1e-4
         try:
             if stale is not None:
                 kv.delete_key(stale)
             while True:
                 try:
-                    answers = kv.multi_get(done)
-                    break
-                except dist.DistStoreError:  # not all answered yet
-                    pass
+                    if blocking or kv.check(done):
+                        answers = kv.multi_get(done)
+                        break
+                    time.sleep(nap)
+                    nap = min(2 * nap, ANSWER_POLL_S)
+                    if time.monotonic() - checked < ANSWER_WAIT_S:
+                        continue
+                except dist.DistStoreError:  # not all answered within the blocked wait
+                    blocking = False
                 except WeightSyncError as exc:
                     # Not signed with the session's secret: not an answer. The worker's own answer
                     # replaces it (the workers still receive: the engine stays busy meanwhile).
