@@ -74,6 +74,29 @@ async def test_greedy_and_logprobs_match_transformers_generate(
         assert out.logprobs == pytest.approx(ref_lp.tolist(), abs=1e-4)
 
 
+async def test_generation_passes_the_cache_under_the_name_transformers_takes(engine: TransformersEngine) -> None:
+    """transformers renamed the forward's ``past_key_values`` to ``cache`` (the old name warns, and
+    goes in 5.40); the engine passes whichever name the model's forward declares, so it neither
+    warns nor, on a release without the new name, hands a ``cache`` to ``**kwargs`` unused (the
+    greedy test above fails if decoding runs without its cache)."""
+    import warnings
+
+    from rollout_engines.backends.transformers.generation import _cache_kwarg
+
+    class Renamed:
+        def forward(self, input_ids, cache=None, **kwargs): ...
+
+    class Before:
+        def forward(self, input_ids, past_key_values=None, **kwargs): ...
+
+    assert _cache_kwarg(Renamed) == "cache" and _cache_kwarg(Before) == "past_key_values"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = await engine.generate(GenerateRequest(prompts=PROMPTS[:2], sampling=greedy(4)))
+    assert [len(o.token_ids) for o in outs] == [4, 4]
+    assert not [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+
+
 async def test_generation_does_not_block_the_event_loop(engine: TransformersEngine) -> None:
     ticks = 0
     done = asyncio.Event()

@@ -45,6 +45,8 @@ row (``error``) and ends only that row. The other rows of the batch carry on.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -290,6 +292,15 @@ def _cache_of(kv: KV) -> Any:
     return cache
 
 
+@functools.cache
+def _cache_kwarg(forward_of: type) -> str:
+    """The name under which ``forward_of``'s forward takes the KV cache: ``cache`` in transformers
+    releases that renamed it (``past_key_values`` is deprecated there, to go in 5.40), else
+    ``past_key_values`` (a model's forward takes ``**kwargs``, which would swallow an unknown
+    ``cache`` and run without one)."""
+    return "cache" if "cache" in inspect.signature(forward_of.forward).parameters else "past_key_values"
+
+
 def _attention(model: Any, mask2d: torch.Tensor, queries: int) -> torch.Tensor:
     # transformers builds masks with vmap on every forward, which costs more than the tiny model's
     # whole step; a ready 4D mask is used as given (sdpa and eager attention).
@@ -431,7 +442,7 @@ class Batch:
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=-1)
         with _adapters(lora, self.rows):
             out = model(input_ids=tokens.unsqueeze(-1), attention_mask=_attention(model, self.mask, 1),
-                        position_ids=positions, past_key_values=self.cache, use_cache=True)
+                        position_ids=positions, use_cache=True, **{_cache_kwarg(type(model)): self.cache})
         self.logits = out.logits[:, -1, :].float()
         for row in self.rows:
             row.logits_version = version
@@ -491,7 +502,8 @@ def run_batch(
     cache = DynamicCache()
     with _adapters(lora, [g[0] for g in members]):  # a group is one request's rows: one adapter
         out = model(input_ids=ids, attention_mask=_attention(model, mask, width), position_ids=positions,
-                    past_key_values=cache, use_cache=True, **({} if want_prompt else {"logits_to_keep": 1}))
+                    use_cache=True, **{_cache_kwarg(type(model)): cache},
+                    **({} if want_prompt else {"logits_to_keep": 1}))
     for b, g in enumerate(members):
         if g not in want_prompt:
             continue
