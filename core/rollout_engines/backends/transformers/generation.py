@@ -45,7 +45,6 @@ row (``error``) and ends only that row. The other rows of the batch carry on.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import threading
 from dataclasses import dataclass, field
@@ -292,13 +291,19 @@ def _cache_of(kv: KV) -> Any:
     return cache
 
 
-@functools.cache
-def _cache_kwarg(forward_of: type) -> str:
-    """The name under which ``forward_of``'s forward takes the KV cache: ``cache`` in transformers
+_CACHE_KWARG: dict[type[Any], str] = {}
+
+
+def _cache_kwarg(model_type: type[Any]) -> str:
+    """The name under which ``model_type``'s forward takes the KV cache: ``cache`` in transformers
     releases that renamed it (``past_key_values`` is deprecated there, to go in 5.40), else
     ``past_key_values`` (a model's forward takes ``**kwargs``, which would swallow an unknown
     ``cache`` and run without one)."""
-    return "cache" if "cache" in inspect.signature(forward_of.forward).parameters else "past_key_values"
+    name = _CACHE_KWARG.get(model_type)
+    if name is None:
+        params = inspect.signature(model_type.forward).parameters
+        name = _CACHE_KWARG[model_type] = "cache" if "cache" in params else "past_key_values"
+    return name
 
 
 def _attention(model: Any, mask2d: torch.Tensor, queries: int) -> torch.Tensor:
