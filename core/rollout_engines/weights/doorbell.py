@@ -57,7 +57,8 @@ logger = logging.getLogger("rollout_engines.weights")
 #: times out: once an hour of idleness, not twice a second).
 LISTEN_S = 3600.0
 #: How long the host waits for the workers' answers at a time, between checks of the engine's
-#: health (a push on one machine takes milliseconds; longer ones log a line per wait).
+#: health (a push on one machine takes milliseconds; a longer one logs the store's warning for
+#: the first wait's timeout, and is polled for from then on).
 ANSWER_WAIT_S = 2.0
 #: The longest nap between looks at the answers once a push outlasted the first blocked wait.
 ANSWER_POLL_S = 0.005

@@ -48,8 +48,8 @@ HEARTBEAT_S = 0.5
 DEFAULT_DEAD_AFTER_S = 10.0
 CHECK_EVERY_S = 0.5
 #: A wait younger than this polls with naps of at most 50 us (a GPU bucket, or a whole zero-copy
-#: push, takes a few milliseconds); an older one backs off. Waits never block on the store: a
-#: TCPStore client logs two warnings each time a blocking wait times out.
+#: push, takes a few milliseconds); an older one backs off. :func:`poll` never blocks in the
+#: store: a TCPStore client logs two warnings each time a blocked wait times out.
 YOUNG_S = 0.02
 TRAINER = "trainer (rank 0)"
 
