@@ -37,8 +37,9 @@ def test_shm_bench_reports_a_verified_ratio(extra):
     sent, got = r["sender_timings_last_push"], r["receiver_timings_last_push"]
     assert 0 < sent["first_bucket"] <= sent["stream"] <= r["pushes"][-1]
     assert 0 < got["apply"] <= got["total"] <= r["pushes"][-1]
-    # the receivers let go of the trainer's store before it closes: no c10d errors at the end
-    assert "c10d" not in r["_stderr"], r["_stderr"][-2000:]
+    # the receivers let go of the trainer's store before it closes: no failed store reads at the
+    # end (the store's client logs those with a C++ stack), and no timed-out store waits
+    assert "recvValue failed" not in r["_stderr"] and "waitForInput" not in r["_stderr"], r["_stderr"][-2000:]
 
 
 def test_a_named_shape_pushes_that_models_bf16_tensors():
