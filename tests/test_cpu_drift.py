@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from repo_scripts import ROOT, load_script
+from repo_scripts import load_script
 
-_PATH = ROOT / "benchmarks" / "cpu_drift.py"
 cpu_drift = load_script("benchmarks/cpu_drift.py")
 
 
@@ -27,7 +26,7 @@ def test_probe_reports_each_pause_and_the_spread_over_rounds(capsys):
 
 
 def test_a_negative_pause_is_a_usage_error():
-    proc = subprocess.run([sys.executable, str(_PATH), "--pauses", "0.1,-1"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, cpu_drift.__file__, "--pauses", "0.1,-1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--pauses must be seconds >= 0" in proc.stderr
 
 

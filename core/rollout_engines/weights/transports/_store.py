@@ -47,10 +47,6 @@ DEFAULT_HOST = "127.0.0.1"
 HEARTBEAT_S = 0.5
 DEFAULT_DEAD_AFTER_S = 10.0
 CHECK_EVERY_S = 0.5
-#: A wait younger than this polls with naps of at most 50 us (a GPU bucket, or a whole zero-copy
-#: push, takes a few milliseconds); an older one backs off. :func:`poll` never blocks in the
-#: store: a TCPStore client logs two warnings each time a blocked wait times out.
-YOUNG_S = 0.02
 TRAINER = "trainer (rank 0)"
 
 
@@ -249,7 +245,8 @@ def poll(
 ) -> None:
     """Wait until ``done()`` with a short back-off; ``check()`` (raises on a dead peer) runs twice a
     second; past the timeout ``on_timeout()`` is raised. A broken store connection (its host,
-    ``peer``, is gone) becomes a :class:`WeightSyncError` too."""
+    ``peer``, is gone) becomes a :class:`WeightSyncError` too. It never blocks in the store: a
+    TCPStore client logs two warnings each time a blocked wait times out."""
     start = time.monotonic()
     deadline, next_check, nap = start + timeout_s, start + CHECK_EVERY_S, 1e-5
     try:
@@ -264,7 +261,7 @@ def poll(
             # Short naps while the wait is young (a GPU bucket or a whole zero-copy push takes a
             # few milliseconds), then back off so a long wait costs no CPU.
             age = now - start
-            nap = min(nap * 2, 5e-5 if age < YOUNG_S else 2e-4 if age < 0.1 else 2e-3)
+            nap = min(nap * 2, 5e-5 if age < 0.02 else 2e-4 if age < 0.1 else 2e-3)
     except WeightSyncError:
         raise
     except Exception as exc:
