@@ -256,24 +256,39 @@ def test_abort_by_id_ends_a_running_stream(which, thread_server, scripted):
     server = thread_server if which == "transformers" else scripted
     need(server, "abort")
     ids = ["keep-going", "stop-me"]
+    # The scripted engine runs its sequences one after the other, a token per 20 ms; the tiny model's
+    # context is 2048.
+    max_tokens = 1500 if which == "transformers" else 400
     body = {"prompt_token_ids": [[5, 6], [7, 8]], "request_ids": ids,
-            "sampling": {"temperature": 0, "max_tokens": 400, "ignore_eos": True}}
-    result: dict[str, Any] = {}
+            "sampling": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}}
+    events: list[Any] = []
+    started = threading.Event()
 
     def consume() -> None:
-        result["events"] = stream(server, "/generate/stream", body)
+        # Read the stream as it comes: the abort goes out once the request has yielded a token,
+        # so it meets a running sequence however fast the engine decodes (a fixed sleep did not:
+        # a quick machine finished all the tokens first).
+        with httpx.stream("POST", server.url + "/generate/stream", json=body, headers=server.headers,
+                          timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: "):]
+                    events.append(data if data == "[DONE]" else json.loads(data))
+                    if data != "[DONE]" and events[-1]["token_ids"]:
+                        started.set()
 
     t = threading.Thread(target=consume)
     t.start()
-    wait_in_flight(server)
-    time.sleep(0.3)
+    assert started.wait(60), "no token streamed within 60 s"
     r = httpx.post(server.url + "/abort", json={"request_ids": ["stop-me", "unknown-id"]}, headers=server.headers,
                    timeout=30)
     assert r.status_code == 200 and r.json()["ok"] is True
     t.join(120)
-    seqs = {s["request_id"]: s for s in reassemble(result["events"]).values()}
-    assert seqs["stop-me"]["finish_reason"] == "abort" and len(seqs["stop-me"]["token_ids"]) < 400
-    assert seqs["keep-going"]["finish_reason"] == "length" and len(seqs["keep-going"]["token_ids"]) == 400
+    assert not t.is_alive() and events[-1] == "[DONE]"
+    seqs = {s["request_id"]: s for s in reassemble(events[:-1]).values()}
+    assert seqs["stop-me"]["finish_reason"] == "abort" and len(seqs["stop-me"]["token_ids"]) < max_tokens
+    assert seqs["keep-going"]["finish_reason"] == "length" and len(seqs["keep-going"]["token_ids"]) == max_tokens
 
 
 def test_abort_body_and_capability(thread_server, scripted):
