@@ -209,10 +209,10 @@ async def test_abort_all_and_abort_of_a_queued_request(engine: TransformersEngin
     assert [(c.request_id, c.finish_reason, c.token_ids) for c in outs] == [("q0", "abort", []), ("q1", "abort", [])]
     gate.set()
     await blocker
-    running = [asyncio.ensure_future(engine.generate(GenerateRequest(prompts=[p], sampling=endless())))
-               for p in PROMPTS]
-    await wait_until(lambda: engine._extra_info()["running_rows"] == 4, "all four run")
-    await asyncio.sleep(0.05)
+    running = [asyncio.ensure_future(engine.generate(GenerateRequest(prompts=[p], sampling=endless(),
+                                                                     request_ids=[f"r{i}"])))
+               for i, p in enumerate(PROMPTS)]
+    await wait_until(lambda: all(made(engine, f"r{i}") > 0 for i in range(len(PROMPTS))), "all four make tokens")
     await engine.abort_all()
     done = await asyncio.wait_for(asyncio.gather(*running), PROMPTLY_S)
     assert all(r[0].finish_reason == "abort" and 0 < len(r[0].token_ids) < 1500 for r in done)
@@ -295,7 +295,8 @@ async def test_abort_all_ends_requests_held_by_a_pause(engine: TransformersEngin
 async def test_pause_keep_push_resume_continues_with_new_weights(engine: TransformersEngine, tiny_model: Path, wait_until: Callable[..., Any]) -> None:
     original = load_checkpoint(tiny_model)
     prompt = PROMPTS[:1]
-    task = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=prompt, sampling=greedy(40, logprobs=1),
+    n = 400  # long enough that the pause lands before the row ends on a quick or a stalled machine
+    task = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=prompt, sampling=greedy(n, logprobs=1),
                                                                  request_ids=["k"])))
     await wait_until(lambda: made(engine, "k") >= 5, "it runs")
     await engine.pause("keep")
@@ -305,27 +306,28 @@ async def test_pause_keep_push_resume_continues_with_new_weights(engine: Transfo
     assert await push(engine, perturbed(original), 1) == 1
     await engine.resume()
     out = (await asyncio.wait_for(task, PATIENCE_S))[0]
-    assert out.weight_version == 1 and len(out.token_ids) == 40
+    assert out.weight_version == 1 and len(out.token_ids) == n
     versions = out.versions()
-    assert versions == [0] * frozen_at + [1] * (40 - frozen_at)
+    assert versions == [0] * frozen_at + [1] * (n - frozen_at)
     assert out.token_weight_versions == versions
     # The first tokens are the old weights' greedy tokens; the rest are exactly what the new weights
     # make from prompt + those tokens (the kept row's KV was recomputed).
     after = await engine.generate(GenerateRequest(
-        prompts=prompt, sampling=greedy(40 - frozen_at, logprobs=1),
+        prompts=prompt, sampling=greedy(n - frozen_at, logprobs=1),
         continue_from=[Completion(prompt_index=0, token_ids=out.token_ids[:frozen_at],
                                   logprobs=out.logprobs[:frozen_at], finish_reason="abort", weight_version=0)]))
     assert after[0].token_ids == out.token_ids
     assert after[0].logprobs == pytest.approx(out.logprobs, abs=1e-4)
     await push(engine, original, 2)
-    reference = await engine.generate(GenerateRequest(prompts=prompt, sampling=greedy(40)))
+    reference = await engine.generate(GenerateRequest(prompts=prompt, sampling=greedy(n)))
     assert reference[0].token_ids[:frozen_at] == out.token_ids[:frozen_at]
 
 
 async def test_keep_kv_option_keeps_the_old_cache(tiny_model: Path, wait_until: Callable[..., Any]) -> None:
     engine = make(tiny_model, keep_kv_on_weight_change=True)
+    n = 400  # long enough that the pause lands before the row ends on a quick or a stalled machine
     try:
-        task = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:1], sampling=greedy(30),
+        task = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:1], sampling=greedy(n),
                                                                      request_ids=["kk"])))
         await wait_until(lambda: made(engine, "kk") >= 5, "it runs")
         await engine.pause("keep")
@@ -335,14 +337,15 @@ async def test_keep_kv_option_keeps_the_old_cache(tiny_model: Path, wait_until: 
         await engine.resume()
         out = (await asyncio.wait_for(task, PATIENCE_S))[0]
         # The next token's logits were computed by the old weights before the pause.
-        assert out.versions() == [0] * (frozen_at + 1) + [1] * (30 - frozen_at - 1)
+        assert out.versions() == [0] * (frozen_at + 1) + [1] * (n - frozen_at - 1)
         assert row.prefills == 1, "the old KV was kept, not recomputed"
     finally:
         await engine.close()
 
 
 async def test_sleep_while_kept_recomputes_the_cache(engine: TransformersEngine, wait_until: Callable[..., Any]) -> None:
-    request = GenerateRequest(prompts=PROMPTS[:2], sampling=greedy(30), request_ids=["z0", "z1"])
+    # Long enough that the pause lands while the rows run (a finished row would leave nothing to keep).
+    request = GenerateRequest(prompts=PROMPTS[:2], sampling=greedy(400), request_ids=["z0", "z1"])
     reference = ids(await engine.generate(request))
     task = asyncio.ensure_future(engine.generate(request))
     await wait_until(lambda: made(engine, "z0") >= 5, "it runs")

@@ -109,11 +109,12 @@ async def test_generation_does_not_block_the_event_loop(engine: TransformersEngi
 
     task = asyncio.create_task(ticker())
     start = time.perf_counter()
-    outs = await engine.generate(GenerateRequest(prompts=PROMPTS * 4, sampling=greedy(64, ignore_eos=True)))
+    # 256 tokens a row: long enough (a few hundred ms here) that a much quicker machine still ticks.
+    outs = await engine.generate(GenerateRequest(prompts=PROMPTS * 4, sampling=greedy(256, ignore_eos=True)))
     seconds = time.perf_counter() - start
     done.set()
     await task
-    assert len(outs) == 16 and all(len(c.token_ids) == 64 for c in outs)
+    assert len(outs) == 16 and all(len(c.token_ids) == 256 for c in outs)
     # The loop kept running while the worker thread generated (a blocked loop would tick ~once).
     assert ticks >= 5, f"only {ticks} ticks in {seconds:.2f} s of generation"
 
