@@ -164,6 +164,29 @@ def stream(server: ThreadServer, path: str, body: dict[str, Any], timeout: float
     return events[:-1]
 
 
+def stream_in_thread(server: ThreadServer, path: str,
+                     body: dict[str, Any]) -> tuple[threading.Thread, list[Any], threading.Event]:
+    """Read an event stream from a thread as it comes: the thread, the events so far (``"[DONE]"``
+    last) and an event set once a delta carried a token. A call meant to meet a running sequence
+    waits for that event: a fixed sleep races the engine's speed (a quick machine finishes first)."""
+    events: list[Any] = []
+    token_seen = threading.Event()
+
+    def consume() -> None:
+        with httpx.stream("POST", server.url + path, json=body, headers=server.headers, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: "):]
+                    events.append(data if data == "[DONE]" else json.loads(data))
+                    if data != "[DONE]" and events[-1]["token_ids"]:
+                        token_seen.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    return t, events, token_seen
+
+
 def caps(server: ThreadServer) -> dict[str, Any]:
     return httpx.get(server.url + "/info", headers=server.headers, timeout=30).json()["capabilities"]
 
@@ -261,25 +284,7 @@ def test_abort_by_id_ends_a_running_stream(which, thread_server, scripted):
     max_tokens = 1500 if which == "transformers" else 400
     body = {"prompt_token_ids": [[5, 6], [7, 8]], "request_ids": ids,
             "sampling": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}}
-    events: list[Any] = []
-    started = threading.Event()
-
-    def consume() -> None:
-        # Read the stream as it comes: the abort goes out once the request has yielded a token,
-        # so it meets a running sequence however fast the engine decodes (a fixed sleep did not:
-        # a quick machine finished all the tokens first).
-        with httpx.stream("POST", server.url + "/generate/stream", json=body, headers=server.headers,
-                          timeout=120) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    data = line[len("data: "):]
-                    events.append(data if data == "[DONE]" else json.loads(data))
-                    if data != "[DONE]" and events[-1]["token_ids"]:
-                        started.set()
-
-    t = threading.Thread(target=consume)
-    t.start()
+    t, events, started = stream_in_thread(server, "/generate/stream", body)
     assert started.wait(60), "no token streamed within 60 s"
     r = httpx.post(server.url + "/abort", json={"request_ids": ["stop-me", "unknown-id"]}, headers=server.headers,
                    timeout=30)
@@ -393,19 +398,19 @@ def test_pause_abort_ends_streams_and_keep_holds_them(scripted):
     (seq,) = reassemble(result["events"]).values()
     assert seq["finish_reason"] == "abort" and len(seq["token_ids"]) < 400
     # keep: the stream freezes, then continues after /resume to its full length
-    body = {"prompt_token_ids": [[5]], "sampling": {"max_tokens": 30}}
-    result.clear()
-    t = threading.Thread(target=lambda: result.setdefault("events", stream(scripted, "/generate/stream", body)))
-    t.start()
-    wait_in_flight(scripted)
-    time.sleep(0.15)
+    n = 200  # 4 s of tokens: the pause lands long before the end
+    t, events, started = stream_in_thread(scripted, "/generate/stream",
+                                          {"prompt_token_ids": [[5]], "sampling": {"max_tokens": n}})
+    assert started.wait(60), "no token streamed within 60 s"
     assert httpx.post(scripted.url + "/pause", json={"mode": "keep"}, headers=h, timeout=30).status_code == 200
+    frozen_at = len(events)
     time.sleep(0.5)
-    assert t.is_alive()
+    assert t.is_alive() and len(events) <= frozen_at + 1, "a kept stream must not move while paused"
     assert httpx.post(scripted.url + "/resume", headers=h, timeout=30).status_code == 200
     t.join(60)
-    (seq,) = reassemble(result["events"]).values()
-    assert seq["finish_reason"] == "length" and len(seq["token_ids"]) == 30
+    assert not t.is_alive() and events[-1] == "[DONE]"
+    (seq,) = reassemble(events[:-1]).values()
+    assert seq["finish_reason"] == "length" and len(seq["token_ids"]) == n
 
 
 # ---- OpenAI streaming ----------------------------------------------------------------------------

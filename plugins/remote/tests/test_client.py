@@ -116,7 +116,11 @@ def test_graceful_shutdown_finishes_in_flight_requests(tiny_model, tmp_path):
         async def go() -> tuple[list[httpx.Response], int | None]:
             async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as c:
                 pending = [asyncio.ensure_future(c.post("/generate", json=body)) for _ in range(3)]
-                await asyncio.sleep(1.0)  # the requests are running now
+                # Stop once all three run (a fixed 1 s sleep let them finish first: 0.8 s here).
+                deadline = time.monotonic() + 60
+                while (await c.get("/info")).json()["outstanding"] < 3:
+                    assert time.monotonic() < deadline, "the three requests did not reach the engine in 60 s"
+                    await asyncio.sleep(0.01)
                 code = await asyncio.to_thread(server.stop)
                 return list(await asyncio.gather(*pending)), code
 

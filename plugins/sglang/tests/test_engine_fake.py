@@ -557,7 +557,7 @@ async def test_keep_push_resume_tags_tokens_with_their_weights(tiny_model) -> No
     assert await push(engine, perturbed(checkpoint(tiny_model)), version=1) == 1
     assert fake.flushes == flushes + 1, "nothing waits in SGLang, so the push's prefix-cache flush succeeds"
     await engine.resume()
-    out = (await asyncio.wait_for(task, 10))[0]
+    out = (await asyncio.wait_for(task, 60))[0]
     versions = out.versions()
     switch = versions.index(1)
     assert 0 < switch < 250 and versions == [0] * switch + [1] * (250 - switch)
@@ -588,7 +588,7 @@ async def test_a_keep_pause_takes_a_push_that_flushes_the_prefix_cache(tiny_mode
     await engine.pause("keep")
     assert await asyncio.wait_for(push(engine, perturbed(checkpoint(tiny_model)), version=1), 3) == 1
     await engine.resume()
-    outs = await asyncio.wait_for(task, 10)
+    outs = await asyncio.wait_for(task, 60)
     for o in outs:
         assert len(o.token_ids) == 250 and o.finish_reason == "length" and o.versions()[-1] == 1
         assert o.logprobs is not None and len(o.logprobs) == 250
@@ -631,7 +631,7 @@ async def test_tokens_made_before_a_keep_pause_keep_their_version_when_they_arri
     fake.release_late()  # the last chunk made under version 0 arrives now, after the push
     await asyncio.sleep(0.05)
     await engine.resume()
-    out = (await asyncio.wait_for(task, 10))[0]
+    out = (await asyncio.wait_for(task, 60))[0]
     versions = out.versions()
     switch = versions.index(1)
     assert 0 < switch < 250 and versions == [0] * switch + [1] * (250 - switch)
@@ -673,7 +673,7 @@ async def test_a_wait_pause_after_a_keep_pause_lets_the_suspended_sequences_fini
 
     engine, fake = make(tiny_model)
     task = await paused_in_keep(engine)
-    await asyncio.wait_for(engine.pause("wait"), 10)  # it waited for sequences that could not run
+    await asyncio.wait_for(engine.pause("wait"), 60)  # it waited for sequences that could not run
     out = (await asyncio.wait_for(task, 1))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 250
     later = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=[[7]],
@@ -681,7 +681,7 @@ async def test_a_wait_pause_after_a_keep_pause_lets_the_suspended_sequences_fini
     await asyncio.sleep(0.05)
     assert not later.done()  # still paused: new requests wait
     await engine.resume()
-    assert len((await asyncio.wait_for(later, 10))[0].token_ids) == 2
+    assert len((await asyncio.wait_for(later, 60))[0].token_ids) == 2
 
 
 class _AbortsAfterTheLastToken(StreamingFakeSglangRuntime):

