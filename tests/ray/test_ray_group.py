@@ -106,8 +106,11 @@ async def test_killed_actor_loses_no_request_and_rejoins_with_the_latest_weights
     reference = [c.token_ids for c in await engines[1].generate(probe)]
     victim, pid = engines[0], engines[0].pid
 
+    # 300 tokens each: the victim's ~100 rows run for a second or more, so the kill (through Ray's
+    # control plane, slow on a loaded machine) lands while they are in flight (12 tokens ran ~0.1 s).
+    n = 300
     requests = [
-        GenerateRequest(prompt_token_ids=[[11 + i % 300, 7, 42]], sampling=SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        GenerateRequest(prompt_token_ids=[[11 + i % 300, 7, 42]], sampling=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
         for i in range(200)
     ]
     tasks = [asyncio.ensure_future(group.generate(r)) for r in requests]
@@ -121,12 +124,12 @@ async def test_killed_actor_loses_no_request_and_rejoins_with_the_latest_weights
     assert len(results) == 200
     for request, out in zip(requests, results, strict=True):  # each caller got its own prompt's answer
         assert len(out) == 1 and out[0].prompt_token_ids == request.prompt_token_ids[0]
-        assert out[0].weight_version == 7 and len(out[0].token_ids) == 12
+        assert out[0].weight_version == 7 and len(out[0].token_ids) == n
     stats = group.member_stats()
     assert sum(s["completed"] for s in stats) == 200  # every result taken from exactly one engine
     assert group.retried > 0 and stats[0]["failures"] >= 1
 
-    for _ in range(240):  # Ray restarts the actor; the group gives it v7 before traffic
+    for _ in range(600):  # Ray restarts the actor (a new process loads torch and the model); v7 before traffic
         if group.member_stats()[0]["serving"]:
             break
         await asyncio.sleep(0.25)

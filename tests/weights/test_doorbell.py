@@ -69,7 +69,7 @@ def rigged(spec: TransportSpec, answer=None, go: threading.Event | None = None):
         bell.close()
 
 
-async def test_rings_reach_every_worker_with_the_layout_stored_once(spec):
+async def test_rings_reach_every_worker_with_the_layout_stored_once(spec, wait_until):
     assert has_store(spec) and not has_store(spec.model_copy(update={"options": {}}))
     with rigged(spec) as (door, workers, bell):
         layout = '{"tensors": [1, 2, 3]}'
@@ -84,10 +84,14 @@ async def test_rings_reach_every_worker_with_the_layout_stored_once(spec):
         for rank in (1, 2):
             assert [w["version"] for w in workers.got[rank]] == [1, 2, 3, 4]
             assert [w["layout"] for w in workers.got[rank]] == [layout] * 3 + [other]
-        assert bell.rings == 4 and all(listener.rings == 4 for listener in workers.listeners)
+        # A listener counts its ring and tidies up after its answer is stored, so the host may wake
+        # before either: wait for them.
+        assert bell.rings == 4
+        await wait_until(lambda: all(listener.rings == 4 for listener in workers.listeners), "every listener counts 4")
         # the listeners tidied up after answering: the last ring's keys and the current layout remain
         kv = _store.session_store(_store.join_store(spec.options, 10), spec.session_id, spec.options["secret"])
-        assert not kv.check([f"door/{door}/1/1"]) and not kv.check([f"door/{door}/3/done/2"])
+        await wait_until(lambda: not kv.check([f"door/{door}/1/1"]) and not kv.check([f"door/{door}/3/done/2"]),
+                         "the listeners to delete the earlier rings' keys")
         assert kv.check([f"door/{door}/4/done/1"]) and not kv.check([f"door/{door}/layout/1"])
     assert not any(listener._thread.is_alive() for listener in workers.listeners)
 

@@ -806,7 +806,9 @@ class AsyncRLTests(ConformanceBase):
         import time
 
         need(engine, "abort")
-        max_tokens = 1500
+        # Near the tiny model's 2048-token context: ~1.3 s on the embedded engine, so the abort after
+        # 0.3 s meets the request running on a quick machine too (1500 left a margin of 3x).
+        max_tokens = 1900
         pending = start_in_flight(slot, engine, GenerateRequest(
             prompt_token_ids=prompt_ids[:1], sampling=greedy(max_tokens), request_ids=["conf-abort"]))
         time.sleep(0.3)
@@ -847,7 +849,7 @@ class AsyncRLTests(ConformanceBase):
         pick_transport(engine)
         v0 = engine.weight_version
         with self.restoring(slot, original_weights):
-            max_tokens = 1500
+            max_tokens = 1900  # near the tiny model's 2048-token context: the pause lands long before the end
             pending = start_in_flight(slot, engine, GenerateRequest(prompt_token_ids=prompt_ids[:1], sampling=greedy(max_tokens)))
             time.sleep(0.2)
             try:
