@@ -295,7 +295,7 @@ async def test_abort_all_ends_requests_held_by_a_pause(engine: TransformersEngin
 async def test_pause_keep_push_resume_continues_with_new_weights(engine: TransformersEngine, tiny_model: Path, wait_until: Callable[..., Any]) -> None:
     original = load_checkpoint(tiny_model)
     prompt = PROMPTS[:1]
-    n = 400  # long enough that the pause lands before the row ends on a quick or a stalled machine
+    n = 200  # long enough that the pause lands before the row ends on a quick or a stalled machine
     task = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=prompt, sampling=greedy(n, logprobs=1),
                                                                  request_ids=["k"])))
     await wait_until(lambda: made(engine, "k") >= 5, "it runs")
@@ -325,7 +325,7 @@ async def test_pause_keep_push_resume_continues_with_new_weights(engine: Transfo
 
 async def test_keep_kv_option_keeps_the_old_cache(tiny_model: Path, wait_until: Callable[..., Any]) -> None:
     engine = make(tiny_model, keep_kv_on_weight_change=True)
-    n = 400  # long enough that the pause lands before the row ends on a quick or a stalled machine
+    n = 200  # long enough that the pause lands before the row ends on a quick or a stalled machine
     try:
         task = asyncio.ensure_future(engine.generate(GenerateRequest(prompts=PROMPTS[:1], sampling=greedy(n),
                                                                      request_ids=["kk"])))
@@ -345,7 +345,7 @@ async def test_keep_kv_option_keeps_the_old_cache(tiny_model: Path, wait_until: 
 
 async def test_sleep_while_kept_recomputes_the_cache(engine: TransformersEngine, wait_until: Callable[..., Any]) -> None:
     # Long enough that the pause lands while the rows run (a finished row would leave nothing to keep).
-    request = GenerateRequest(prompts=PROMPTS[:2], sampling=greedy(400), request_ids=["z0", "z1"])
+    request = GenerateRequest(prompts=PROMPTS[:2], sampling=greedy(200), request_ids=["z0", "z1"])
     reference = ids(await engine.generate(request))
     task = asyncio.ensure_future(engine.generate(request))
     await wait_until(lambda: made(engine, "z0") >= 5, "it runs")
