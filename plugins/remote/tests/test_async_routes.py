@@ -145,14 +145,17 @@ def scripted_vllm(tiny_model: Path) -> Iterator[ThreadServer]:
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+def sse_data(text: str) -> Any:
+    """The payload of an event's ``data:`` line (``"[DONE]"`` as the string); None for any other."""
+    if not text.startswith("data: "):
+        return None
+    data = text[len("data: "):]
+    return data if data == "[DONE]" else json.loads(data)
+
+
 def sse_events(response: httpx.Response) -> list[Any]:
     """The ``data:`` payloads of a complete event stream (``"[DONE]"`` as the string)."""
-    out = []
-    for block in response.text.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
+    return [d for d in map(sse_data, response.text.split("\n\n")) if d is not None]
 
 
 def stream(server: ThreadServer, path: str, body: dict[str, Any], timeout: float = 120) -> list[Any]:
@@ -177,11 +180,10 @@ def stream_in_thread(server: ThreadServer, path: str,
             with httpx.stream("POST", server.url + path, json=body, headers=server.headers, timeout=120) as r:
                 if r.status_code != 200:
                     raise AssertionError(f"{r.status_code}: {r.read()!r}")
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        data = line[len("data: "):]
-                        events.append(data if data == "[DONE]" else json.loads(data))
-                        if data != "[DONE]" and events[-1]["token_ids"]:
+                for data in map(sse_data, r.iter_lines()):
+                    if data is not None:
+                        events.append(data)
+                        if data != "[DONE]" and data["token_ids"]:
                             token_seen.set()
         except Exception as exc:  # the test's checks of the events show it
             events.append(f"the stream failed: {exc!r}")

@@ -51,6 +51,7 @@ class FakeSglangRuntime:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.weights = load_checkpoint(model_dir, dtype=torch.float32)
         self.vocab_size: int | None = int(self.weights["model.embed_tokens.weight"].shape[0])
+        self._fingerprint: tuple[torch.Tensor, int, int] | None = None  # (embedding, its version, value)
         self.context_length: int | None = 256
         self.cpu_backup = cpu_backup
         self.released: set[str] = set()
@@ -78,8 +79,7 @@ class FakeSglangRuntime:
         # in-place write bumps the tensor's version), so a step costs its scripted sleep and not a
         # sum over the embedding, which slows badly on a crowded CPU.
         t = self.weights["model.embed_tokens.weight"]
-        seen = getattr(self, "_fingerprint", None)
-        if seen is None or seen[0] is not t or seen[1] != t._version:
+        if self._fingerprint is None or self._fingerprint[0] is not t or self._fingerprint[1] != t._version:
             self._fingerprint = (t, t._version, int(t.double().abs().sum().item() * 1000) % 9973)
         return self._fingerprint[2]
 
