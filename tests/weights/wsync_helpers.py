@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -11,7 +10,7 @@ import module_engine
 import torch
 from rollout_engines import EngineConfig, GenerateRequest, SamplingParams
 from rollout_engines.process import ProcessEngine
-from rollout_engines.weights.manifest import WeightManifest
+from rollout_engines.testing.trainer import stalling_trainer
 
 PROMPTS = GenerateRequest(prompt_token_ids=[[1], [2], [3], [5]], sampling=SamplingParams(temperature=0, max_tokens=6))
 #: Small buckets, so every update has several of them (the bigram model is ~12 KB).
@@ -36,8 +35,8 @@ def trainer_main(conn: Connection, transport: str, world_size: int, timeout_s: f
                  seed: int, stall_after: int) -> None:
     """A trainer in its own process: host the sender, stream one update, stall after
     ``stall_after`` tensors (announcing it) so the test can kill this process mid-stream."""
-    _stalling_trainer(conn, transport, world_size, timeout_s, options, lambda: state(seed), stall_after,
-                      session_id="killed-trainer", bucket_bytes=BUCKET)
+    stalling_trainer(conn, transport, lambda: state(seed), stall_after, session_id="killed-trainer",
+                     world_size=world_size, timeout_s=timeout_s, bucket_bytes=BUCKET, options=options)
 
 
 def tiny_state(path: str, noise: float = 0.0, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -54,33 +53,8 @@ def tiny_state(path: str, noise: float = 0.0, seed: int = 0) -> dict[str, torch.
 def tiny_trainer_main(conn: Connection, transport: str, world_size: int, timeout_s: float, path: str,
                       stall_after: int) -> None:
     """:func:`trainer_main` for the tiny transformers model."""
-    _stalling_trainer(conn, transport, world_size, timeout_s, {}, lambda: tiny_state(path, noise=1.0), stall_after,
-                      session_id="killed-tiny-trainer", bucket_bytes=2**18)
-
-
-def _stalling_trainer(conn: Connection, transport: str, world_size: int, timeout_s: float, options: dict[str, Any],
-                      tensors: Callable[[], dict[str, torch.Tensor]], stall_after: int, *, session_id: str,
-                      bucket_bytes: int) -> None:
-    from rollout_engines.plugins import get_registry
-    from rollout_engines.weights.session import WeightSync
-
-    cls = get_registry().transport(transport).load_sender()
-    sender = cls(session_id=session_id, world_size=world_size, timeout_s=timeout_s, options=options)
-    conn.send(sender.spec_options())
-    sender.connect()
-    manifest = WeightManifest(**conn.recv())
-    named = list(tensors().items())
-
-    def items():  # type: ignore[no-untyped-def]
-        for i, item in enumerate(named):
-            if i == stall_after:
-                conn.send("stalled")
-                time.sleep(600)
-            yield item
-
-    sync = WeightSync([], sender, transport=transport, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
-                      checksum=manifest.checksum, progress=False)
-    sync._stream(manifest, items())
+    stalling_trainer(conn, transport, lambda: tiny_state(path, noise=1.0), stall_after,
+                     session_id="killed-tiny-trainer", world_size=world_size, timeout_s=timeout_s, bucket_bytes=2**18)
 
 
 def bench_receiver(tensors: dict[str, torch.Tensor], wrap: Callable[[Any], Any] | None = None) -> Any:
