@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
-import os
-import signal
 
 import pytest
 import torch
 from rollout_engines import EngineConfig, GenerateRequest, SamplingParams
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
 from rollout_engines.process import ProcessEngine
-from rollout_engines.weights.manifest import TransportSpec, plan_manifest, specs_of
+from rollout_engines.testing.trainer import trainer_killed_mid_stream
 from rollout_engines.weights.session import connect_weight_sync
 from wsync_helpers import tiny_state, tiny_trainer_main
 
@@ -83,26 +80,12 @@ async def test_bad_manifest_keeps_outputs_and_next_push_works(engine, states):
 async def test_trainer_killed_mid_stream_keeps_previous_weights(engine, states, tiny_path, transport):
     before = await greedy(engine)
     version = (await engine.info()).weight_version
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=tiny_trainer_main, args=(child, transport, 2, 60.0, tiny_path, 10))
-    proc.start()
-    try:
-        spec_options = await asyncio.to_thread(conn.recv)
-        await engine.init_weight_transfer(TransportSpec(
-            transport=transport, session_id="killed-tiny-trainer", world_size=2, timeout_s=60, options=spec_options))
-        manifest = plan_manifest(specs_of(list(states["new"].items())), version=version + 1, bucket_bytes=BUCKET,
-                                 transport=transport, timeout_s=60)
-        conn.send(manifest.model_dump())
-        receiving = asyncio.ensure_future(engine.receive_weights(manifest))
-        assert await asyncio.to_thread(conn.recv) == "stalled"
-        os.kill(proc.pid, signal.SIGKILL)
+    async with trainer_killed_mid_stream(engine, tiny_trainer_main, (transport, 2, 60.0, tiny_path, 10),
+                                         transport=transport, session_id="killed-tiny-trainer", tensors=states["new"],
+                                         version=version + 1, bucket_bytes=BUCKET, timeout_s=60) as (receiving, _):
         with pytest.raises(WeightSyncError) as info:
             await asyncio.wait_for(receiving, 60)
         assert "peer: trainer (rank 0)" in str(info.value) and "bucket: " in str(info.value)
-    finally:
-        proc.kill()
-        proc.join()
     assert await greedy(engine) == before
     assert (await engine.info()).weight_version == version
     sync = await connect_weight_sync([engine], transport, bucket_bytes=BUCKET, timeout_s=60)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
+from rollout_engines.testing.trainer import trainer_killed_mid_stream
 from rollout_engines.weights.buckets import BucketHeader
 from rollout_engines.weights.manifest import TransportSpec, plan_manifest, specs_of
 from rollout_engines.weights.session import connect_weight_sync
@@ -98,22 +99,6 @@ async def test_bad_manifest_rejected_whole_then_next_push_works(engine, transpor
         await sync.close()
 
 
-async def _start_killable_trainer(engine, transport, timeout_s, options, stall_after):
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=trainer_main, args=(child, transport, 2, timeout_s, options, 1, stall_after))
-    proc.start()
-    spec_options = await asyncio.to_thread(parent.recv)
-    spec = TransportSpec(transport=transport, session_id="killed-trainer", rank_offset=1, world_size=2,
-                         timeout_s=timeout_s, options=spec_options)
-    await engine.init_weight_transfer(spec)
-    manifest = plan_manifest(specs_of(list(state(1).items())), version=7, bucket_bytes=BUCKET,
-                             transport=transport, timeout_s=timeout_s)
-    assert len(manifest.buckets) >= 3
-    parent.send(manifest.model_dump())
-    return proc, parent, manifest
-
-
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 async def test_trainer_killed_mid_stream(engine, transport, tmp_path):
     before = await outputs(engine)
@@ -121,13 +106,13 @@ async def test_trainer_killed_mid_stream(engine, transport, tmp_path):
     timeout_s = 6.0 if transport == "disk" else 60.0  # disk has no liveness channel: only its timeout
     # A killed trainer cannot remove its temporary directory: give it one that pytest removes.
     options = {"path": str(tmp_path)} if transport == "disk" else {}
-    proc, conn, manifest = await _start_killable_trainer(engine, transport, timeout_s, options, stall_after=3)
-    receiving = asyncio.ensure_future(engine.receive_weights(manifest))
-    assert await asyncio.to_thread(conn.recv) == "stalled"  # bucket 0 (at least) is on its way
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.join()
-    with pytest.raises(WeightSyncError) as info:
-        await asyncio.wait_for(receiving, timeout_s + 30)
+    # The trainer stalls after 3 tensors: bucket 0 (at least) is on its way when it is killed.
+    async with trainer_killed_mid_stream(engine, trainer_main, (transport, 2, timeout_s, options, 1, 3),
+                                         transport=transport, session_id="killed-trainer", tensors=state(1),
+                                         version=7, bucket_bytes=BUCKET, timeout_s=timeout_s) as (receiving, manifest):
+        assert len(manifest.buckets) >= 3
+        with pytest.raises(WeightSyncError) as info:
+            await asyncio.wait_for(receiving, timeout_s + 30)
     msg = str(info.value)
     assert "peer: trainer (rank 0)" in msg and "bucket: " in msg, msg
     # Staged apply: nothing of the interrupted update is served.

@@ -7,15 +7,13 @@ through the plugin's worker extension. One engine serves the whole module (vLLM 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
-import signal
 
 import pytest
 import torch
 from rollout_engines import GenerateRequest, SamplingParams, create_engine
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
-from rollout_engines.weights.manifest import TransportSpec, plan_manifest, specs_of
+from rollout_engines.testing.trainer import trainer_killed_mid_stream
 from rollout_engines.weights.session import connect_weight_sync
 from trainer_proc import SESSION, trainer_main, update
 
@@ -136,34 +134,19 @@ async def test_trainer_killed_mid_stream(engine, original, request_, tiny_model,
     before = await tokens(engine, request_)
     v0 = engine.weight_version
     timeout_s = 8.0 if transport == "disk" else 60.0  # disk has no liveness channel, only its timeout
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=trainer_main, args=(child, transport, timeout_s, str(tiny_model), BUCKET, 3))
-    proc.start()
-    try:
-        spec_options = await asyncio.to_thread(parent.recv)
-        spec = TransportSpec(transport=transport, session_id=SESSION, rank_offset=1, world_size=2,
-                             timeout_s=timeout_s, options=spec_options)
-        await engine.init_weight_transfer(spec)
-        manifest = plan_manifest(specs_of(list(update(str(tiny_model)).items())), version=v0 + 1,
-                                 bucket_bytes=BUCKET, transport=transport, timeout_s=timeout_s)
+    update_ = update(str(tiny_model))
+    async with trainer_killed_mid_stream(engine, trainer_main, (transport, timeout_s, str(tiny_model), BUCKET, 3),
+                                         transport=transport, session_id=SESSION, tensors=update_, version=v0 + 1,
+                                         bucket_bytes=BUCKET, timeout_s=timeout_s) as (receiving, manifest):
         assert len(manifest.buckets) >= 3
-        parent.send(manifest.model_dump())
-        receiving = asyncio.ensure_future(engine.receive_weights(manifest))
-        assert await asyncio.to_thread(parent.recv) == "stalled"
-        os.kill(proc.pid, signal.SIGKILL)
         with pytest.raises(WeightSyncError) as info:
             await asyncio.wait_for(receiving, timeout_s + 60)
         assert "trainer" in str(info.value) and "bucket" in str(info.value), str(info.value)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join()
     # Staged apply: nothing of the interrupted update is served, and the engine still answers.
     assert await tokens(engine, request_) == before
     assert engine.weight_version == v0
     # A new trainer session works right away.
-    await push(engine, update(str(tiny_model)), v0 + 1, transport=transport)
+    await push(engine, update_, v0 + 1, transport=transport)
     assert await tokens(engine, request_) != before
     await push(engine, original, v0 + 2, transport=transport)
     assert await tokens(engine, request_) == before
