@@ -14,7 +14,7 @@ Shape of a running engine::
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` by default, which keeps the worker inside that engine-core
   process (two processes instead of three: faster start, higher throughput); ``collective_rpc``
   and gloo groups work the same in both modes.
-- Weights arrive in every worker through :mod:`.worker_ext`; the driver calls it with
+- Weights (and LoRA adapters, :mod:`.lora`) arrive in every worker through :mod:`.worker_ext`; the driver calls it with
   ``collective_rpc`` as an async task, concurrently with the trainer's send, or, with option
   ``direct_receive`` (on by default for CUDA) and no request running, rings the workers' threads
   through the weight-sync store (:mod:`rollout_engines.weights.doorbell`) while requests wait.
@@ -168,7 +168,8 @@ class VllmOptions(BaseModel):
     )
     direct_receive: bool | None = Field(
         default=None,
-        description="Start a push's receive in the workers through the weight-sync store (a doorbell, "
+        description="Start a push's receive (weights or a LoRA adapter) in the workers through the "
+        "weight-sync store (a doorbell, "
         "rollout_engines.weights.doorbell) instead of vLLM's collective_rpc when no request runs: no "
         "round trip through the engine core's queues. For transports with a store (shm, cuda_ipc, gloo, "
         "nccl); other pushes go through the RPC as before. Default (None): on for CUDA engines, where "
@@ -1070,7 +1071,7 @@ class VllmEngine(Engine):
         (``pause("keep")``: it steps nothing until resumed). Requests that come meanwhile wait in
         :meth:`_drive`, other calls into vLLM in :meth:`_on_loop`."""
         door = self._door
-        if door is None or manifest.lora is not None:
+        if door is None:
             return None
         with self._seqs_lock:
             if (self._seqs and not self._vllm_paused) or not door.claim():

@@ -2,7 +2,9 @@
 
 A push (:meth:`~rollout_engines.weights.session.WeightSync.push_lora`) reaches every worker through
 the weight-sync session's transport, as a full push does (:func:`rollout_engines.weights.lora.receive_lora`
-on each worker's receiver). Each worker checks the manifest against the base model's checkpoint
+on each worker's receiver), and starts there as a full push does: through the workers' doorbell
+(option ``direct_receive``, :mod:`rollout_engines.weights.doorbell`) while no request runs, else
+through vLLM's ``collective_rpc``. Each worker checks the manifest against the base model's checkpoint
 names and the layers vLLM can adapt before it takes any bucket; a refused adapter is drained (the
 session stays in step) and raises :class:`ManifestMismatch` with nothing installed. The driver
 prepares a folder in the engine's private temporary directory (mode 0700) with the adapter's
@@ -325,9 +327,17 @@ class VllmLoras:
         # Retired versions no request uses: the workers remove them from vLLM in the same call.
         in_use = self._in_use()
         retire = [r for r in self._retired if id(r) not in in_use]
+        wire, retire_ids = manifest_to_wire(manifest), [r.request.lora_int_id for r in retire]
         t0 = time.perf_counter()
-        results = await self._engine._rpc("roe_receive_lora", manifest_to_wire(manifest), str(path), key, lora_id,
-                                          [r.request.lora_int_id for r in retire], timeout=timeout)
+        door = self._engine._claim_door(manifest)  # no request runs: the workers' doorbell, no RPC
+        if door is not None:
+            install = {"path": str(path), "key": key, "lora_id": lora_id, "retire": retire_ids}
+            results = await door.ring({**wire, "lora_install": install}, timeout_s=timeout,
+                                      check=self._engine._check_engine)
+            self._engine._direct_receives += 1
+        else:
+            results = await self._engine._rpc("roe_receive_lora", wire, str(path), key, lora_id, retire_ids,
+                                              timeout=timeout)
         rpc_s = time.perf_counter() - t0
         for gone in retire:
             self._retired.remove(gone)
@@ -350,7 +360,7 @@ class VllmLoras:
             self._drop_folders([path])
             raise
         self._engine._last_receive = LastReceive(
-            version=manifest.version, rpc_s=round(rpc_s, 6),
+            version=manifest.version, rpc_s=round(rpc_s, 6), direct=door is not None,
             workers=[ReceiveTimings.of(r.get("timings")) for r in results if isinstance(r, dict)],
         )
         loaded = LoadedLora(spec.name, manifest.version, request, path)

@@ -265,7 +265,7 @@ class WorkerExtension:
             if isinstance(door, str) and has_store(spec):
                 try:
                     state["door"] = DoorbellListener(
-                        spec, door, rank=spec.rank_offset + rank, receive=self._roe_receive, lock=state["lock"],
+                        spec, door, rank=spec.rank_offset + rank, receive=self._roe_door_receive, lock=state["lock"],
                         setup=_device_setter(getattr(self, "device", None)),
                     )
                 except Exception as exc:  # the driver then pushes through the RPC
@@ -280,6 +280,14 @@ class WorkerExtension:
         form, or a manifest's JSON); returns ``{"ok": True, "version": v}`` or the error as a dict."""
         with self._roe_state()["lock"]:
             return self._roe_receive(wire)
+
+    def _roe_door_receive(self, wire: dict[str, Any]) -> dict[str, Any]:
+        """A receive the doorbell handed this worker (its thread holds the receive lock): a LoRA
+        push carries ``lora_install`` (:meth:`roe_receive_lora`'s other arguments), a full push not."""
+        install = wire.get("lora_install")
+        if isinstance(install, dict):
+            return self._roe_receive_lora(wire, **install)
+        return self._roe_receive(wire)
 
     def _roe_receive(self, wire: dict[str, Any] | str) -> dict[str, Any]:
         state = self._roe_state()
@@ -328,7 +336,13 @@ class WorkerExtension:
         wrote into the folder ``path`` (:func:`.lora.worker_install_lora`). ``installed`` False:
         rank 0 writes the tensors into that folder and the driver registers it through vLLM's
         ``add_lora``. First it removes the retired versions ``retire`` (vLLM ids no request
-        uses any more), whatever becomes of this push."""
+        uses any more), whatever becomes of this push. The doorbell's thread runs the same receive
+        when the engine rings it (:meth:`_roe_door_receive`)."""
+        with self._roe_state()["lock"]:  # not beside a receive by the doorbell
+            return self._roe_receive_lora(wire, path, key, lora_id, retire)
+
+    def _roe_receive_lora(self, wire: dict[str, Any], path: str, key: str = "", lora_id: int = 0,
+                          retire: list[int] | None = None) -> dict[str, Any]:
         from rollout_engines.weights.lora import receive_lora, with_install_time, write_adapter_weights
 
         from .lora import worker_install_lora, worker_lora_modules, worker_remove_loras
@@ -337,24 +351,23 @@ class WorkerExtension:
         receiver: WeightReceiver | None = state["receiver"]
         if receiver is None:
             return error_result(WeightSyncError("no weight transfer initialised in this worker; connect first"))
-        with state["lock"]:  # not beside a receive by the doorbell
-            try:
-                worker_remove_loras(self, list(retire or ()))
-                manifest = manifest_from_wire(wire)
-                if manifest.lora is None:
-                    raise ManifestMismatch("a LoRA receive needs a manifest with 'lora' set")
-                tensors = receive_lora(receiver, manifest, state["target"].expected_specs(), supported=worker_lora_modules(self),
-                                       hint="vLLM has no LoRA layer for them in this model")
-                t0 = time.perf_counter()
-                installed = bool(key) and worker_install_lora(self, tensors, key=key, lora_id=lora_id, path=path)
-                if not installed and int(getattr(self, "rank", 0)) == 0:  # for the driver's add_lora
-                    write_adapter_weights(path, tensors)
-                timings = with_install_time(receiver.last_timings, time.perf_counter() - t0)
-                return {"ok": True, "version": manifest.version, "installed": installed, "timings": timings}
-            except BaseException as exc:
-                if not isinstance(exc, ManifestMismatch):
-                    logger.warning("LoRA receive failed in worker: %s", exc)
-                return error_result(exc)
+        try:
+            worker_remove_loras(self, list(retire or ()))
+            manifest = manifest_from_wire(wire)
+            if manifest.lora is None:
+                raise ManifestMismatch("a LoRA receive needs a manifest with 'lora' set")
+            tensors = receive_lora(receiver, manifest, state["target"].expected_specs(), supported=worker_lora_modules(self),
+                                   hint="vLLM has no LoRA layer for them in this model")
+            t0 = time.perf_counter()
+            installed = bool(key) and worker_install_lora(self, tensors, key=key, lora_id=lora_id, path=path)
+            if not installed and int(getattr(self, "rank", 0)) == 0:  # for the driver's add_lora
+                write_adapter_weights(path, tensors)
+            timings = with_install_time(receiver.last_timings, time.perf_counter() - t0)
+            return {"ok": True, "version": manifest.version, "installed": installed, "timings": timings}
+        except BaseException as exc:
+            if not isinstance(exc, ManifestMismatch):
+                logger.warning("LoRA receive failed in worker: %s", exc)
+            return error_result(exc)
 
     def roe_remove_lora(self, lora_ids: list[int]) -> None:
         """Remove the adapters ``lora_ids`` from this worker's vLLM LoRA manager, with the copies kept

@@ -270,6 +270,61 @@ async def test_request_in_flight_keeps_its_version_across_a_push(engine, sync):
     assert folders(engine) == []  # the retired version went with the next LoRA operation
 
 
+async def test_idle_pushes_ring_the_workers_and_running_requests_take_the_rpc(tiny_model, reference):
+    """Option direct_receive: an adapter push into an idle engine starts in the workers through the
+    weight-sync store's doorbell, not vLLM's collective_rpc, and serves what the RPC's push serves
+    (the merged reference); a push while a LoRA request runs takes the RPC, and that request keeps
+    its version; retired versions leave vLLM in the next push's call either way."""
+    eng = await asyncio.to_thread(create_engine, "vllm", str(tiny_model), dtype="float32", enable_lora=True,
+                                  max_lora_rank=16, max_loras=2, direct_receive=True)
+    try:
+        sync = await connect_weight_sync([eng], "shm", bucket_bytes=64 * 1024, timeout_s=15)
+        try:
+            spec, v1 = adapter("x", seed=31)
+            _, v2 = adapter("x", seed=32)
+            ids = []
+            for version, tensors in ((1, v1), (2, v2)):
+                await sync.push_lora(spec, tensors, version=version)
+                assert (await eng.diagnostics()).last_receive.direct is True
+                assert await tokens(eng, "x") == reference(spec, tensors)
+                ids.append(eng._loras.active["x"].request.lora_int_id)
+            assert (await eng.info()).extra["direct_receives"] == 2
+            long = request("x", max_tokens=200)
+            solo_v2 = [c.token_ids for c in await eng.generate(long)]
+            running = asyncio.ensure_future(eng.generate(long))
+            while not eng._seqs:
+                await asyncio.sleep(0.001)
+            await sync.push_lora(spec, v1, version=3)
+            assert (await eng.diagnostics()).last_receive.direct is False  # a request runs: the RPC
+            ids.append(eng._loras.active["x"].request.lora_int_id)
+            outs = await running
+            assert [c.token_ids for c in outs] == solo_v2 and {c.lora_version for c in outs} == {2}
+            # v1 left vLLM in v3's call; v2 stayed for the request that used it
+            assert sorted(await eng._on_loop(lambda: eng.async_llm.list_loras())) == ids[1:]
+            await sync.push_lora(spec, v2, version=4)  # idle again: the doorbell, which removes v2
+            assert (await eng.diagnostics()).last_receive.direct is True
+            ids.append(eng._loras.active["x"].request.lora_int_id)
+            assert sorted(await eng._on_loop(lambda: eng.async_llm.list_loras())) == ids[2:]
+            assert await tokens(eng, "x") == reference(spec, v2)
+            assert (await eng.info()).extra["direct_receives"] == 3
+            # A worker refuses a bad adapter the doorbell handed it: nothing changes, the session
+            # stays in step, and the next push rings the workers again.
+            bad_spec, bad = adapter("bad", seed=33)
+            bad[next(k for k in bad if k.endswith("lora_A.weight"))] = torch.randn(8, 64)
+            with pytest.raises(WeightSyncError) as info:
+                await sync.push_lora(bad_spec, bad, version=1)
+            assert caused_by(info.value, ManifestMismatch) and "shape" in str(info.value)
+            assert eng.loras == {"x": 4} and await tokens(eng, "x") == reference(spec, v2)
+            await sync.push_lora(spec, v1, version=5)
+            assert (await eng.diagnostics()).last_receive.direct is True
+            assert await tokens(eng, "x") == reference(spec, v1)
+            assert (await eng.info()).extra["direct_receives"] == 5
+        finally:
+            await sync.close()
+    finally:
+        await eng.close()
+
+
 @pytest.mark.parametrize(
     ("case", "needle"),
     [
