@@ -232,7 +232,7 @@ def run_lora(args: Any) -> dict[str, Any]:
         lora_bytes = sum(t.numel() * t.element_size() for t in sets[0].values())
         probe = GenerateRequest(prompt_token_ids=[[11, 12, 13, 14]], sampling=SamplingParams(temperature=0, max_tokens=8))
 
-        async def go() -> tuple[list[float], list[dict[str, float]], bool, bool | None]:
+        async def go() -> tuple[list[float], list[dict[str, float]], bool, bool | None, dict[str, Any]]:
             base = [c.token_ids for c in await engine.generate(probe)]
             sync = await connect_weight_sync([engine], transport, bucket_bytes=bench.bucket_bytes, timeout_s=600,
                                              checksum=bench.checksum, options=bench.transport_options)
@@ -246,6 +246,7 @@ def run_lora(args: Any) -> dict[str, Any]:
                     await sync.push_lora(spec, sets[i % 2], version=i + 1)
                     times.append(time.perf_counter() - t0)
                     phases.append(_phases(await engine.diagnostics(), times[-1], sync.last_send_timings))
+                extra = scalar_extras((await engine.info()).extra)  # while the transfer is open
             finally:
                 await sync.close()
             listed = (await engine.info()).loras == {spec.name: pushes}
@@ -253,9 +254,9 @@ def run_lora(args: Any) -> dict[str, Any]:
             again = [c.token_ids for c in await engine.generate(probe)]
             changed = (adapted != base) if again == base else None  # None: greedy tokens not reproducible
             await engine.unload_lora(spec.name)
-            return times, phases, listed, changed
+            return times, phases, listed, changed, extra
 
-        times, phases, listed, changed = asyncio.run(go())
+        times, phases, listed, changed, extra = asyncio.run(go())
     finally:
         asyncio.run(engine.close())
     later = times[1:] or times
@@ -278,4 +279,5 @@ def run_lora(args: Any) -> dict[str, Any]:
         "phases_median_s": _median_phases(phases),
         "checksum": bench.checksum,
         "options": bench.options,
+        "engine_extra": extra,
     }
