@@ -285,9 +285,15 @@ class WorkerExtension:
         """A receive the doorbell handed this worker (its thread holds the receive lock): a LoRA
         push carries ``lora_install`` (:meth:`roe_receive_lora`'s other arguments), a full push not."""
         install = wire.get("lora_install")
-        if isinstance(install, dict):
-            return self._roe_receive_lora(wire, **install)
-        return self._roe_receive(wire)
+        if not isinstance(install, dict):
+            return self._roe_receive(wire)
+        result = self._roe_receive_lora(wire, **install)
+        device = getattr(self, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            # The adapter's copies and vLLM's activation of it ran on this thread's stream: done
+            # before the answer lets requests run on the worker's own.
+            torch.cuda.synchronize(device)
+        return result
 
     def _roe_receive(self, wire: dict[str, Any] | str) -> dict[str, Any]:
         state = self._roe_state()
