@@ -40,7 +40,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -1083,6 +1083,34 @@ class VllmEngine(Engine):
         if llm is None or getattr(llm, "errored", False):
             raise EngineUnavailable("the vLLM engine failed while its workers received weights; create a new engine")
 
+    async def _to_workers(
+        self, manifest: WeightManifest, method: str, *, timeout: float, extra: Mapping[str, Any] | None = None,
+        landed: Callable[[], None] | None = None,
+    ) -> tuple[list[Any], bool]:
+        """One receive of ``manifest`` in every worker: rung through the doorbell while no request
+        runs, else vLLM's ``collective_rpc`` of the worker's ``method``; either way the workers get
+        the manifest's wire form with ``extra``'s keys beside it. ``landed()`` runs once every worker
+        answered ok, before requests may go to vLLM again. Returns the workers' answers and whether
+        the doorbell took the receive."""
+        llm, wire = self._llm, {**manifest_to_wire(manifest), **(extra or {})}
+
+        def then(answers: list[Any]) -> None:
+            if landed is not None and all(isinstance(r, dict) and r.get("ok") for r in answers):
+                landed()
+
+        door = self._claim_door(manifest)
+        if door is not None:
+            results: list[Any] = await door.ring(wire, timeout_s=timeout, check=self._check_engine, then=then)
+            self._direct_receives += 1
+            return results, True
+
+        async def receive() -> list[Any]:  # on the engine loop: `landed` runs with no hop back first
+            answers = await llm.collective_rpc(method, timeout=timeout, args=(wire,))
+            then(answers)
+            return answers
+
+        return await self._on_loop(receive), False
+
     async def _receive_weights(self, manifest: WeightManifest) -> None:
         from .worker_ext import raise_worker_error
 
@@ -1090,27 +1118,12 @@ class VllmEngine(Engine):
         # bucket, this bound only catches a worker stuck outside them.
         timeout = manifest.timeout_s * (len(manifest.buckets) + 2)
         start = time.perf_counter()
-        llm, wire = self._llm, manifest_to_wire(manifest)
-        door = self._claim_door(manifest)
-        if door is not None:
-            def landed(answers: list[dict[str, Any]]) -> None:  # before requests may go to vLLM again
-                if all(isinstance(r, dict) and r.get("ok") for r in answers):
-                    self._start_label(manifest.version)
-
-            results: list[Any] = await door.ring(wire, timeout_s=timeout, check=self._check_engine, then=landed)
-            self._direct_receives += 1
-        else:
-            async def receive() -> list[Any]:  # on the engine loop: the label goes out with no hop back first
-                results = await llm.collective_rpc("roe_receive_weights", timeout=timeout, args=(wire,))
-                if all(isinstance(r, dict) and r.get("ok") for r in results):
-                    self._start_label(manifest.version)
-                return results
-
-            results = await self._on_loop(receive)
+        results, direct = await self._to_workers(manifest, "roe_receive_weights", timeout=timeout,
+                                                 landed=lambda: self._start_label(manifest.version))
         # Where the push's time went (diagnostics()): the RPC round trip as the driver saw it, and
         # each worker's own account (validate, wait, check, apply, total).
         self._last_receive = LastReceive(
-            version=manifest.version, rpc_s=round(time.perf_counter() - start, 6), direct=door is not None,
+            version=manifest.version, rpc_s=round(time.perf_counter() - start, 6), direct=direct,
             workers=[ReceiveTimings.of(r.get("timings") if isinstance(r, dict) else None) for r in results],
         )
         try:

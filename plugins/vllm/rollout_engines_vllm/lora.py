@@ -44,7 +44,7 @@ import torch
 from rollout_engines.errors import InvalidRequest, ManifestMismatch
 from rollout_engines.types import LastReceive, ReceiveTimings
 from rollout_engines.weights.lora import ADAPTER_WEIGHTS, peft_adapter_config, write_adapter_config
-from rollout_engines.weights.manifest import WeightManifest, manifest_to_wire
+from rollout_engines.weights.manifest import WeightManifest
 
 logger = logging.getLogger("rollout_engines.vllm.lora")
 
@@ -327,17 +327,10 @@ class VllmLoras:
         # Retired versions no request uses: the workers remove them from vLLM in the same call.
         in_use = self._in_use()
         retire = [r for r in self._retired if id(r) not in in_use]
-        wire, retire_ids = manifest_to_wire(manifest), [r.request.lora_int_id for r in retire]
+        install = {"path": str(path), "key": key, "lora_id": lora_id, "retire": [r.request.lora_int_id for r in retire]}
         t0 = time.perf_counter()
-        door = self._engine._claim_door(manifest)  # no request runs: the workers' doorbell, no RPC
-        if door is not None:
-            install = {"path": str(path), "key": key, "lora_id": lora_id, "retire": retire_ids}
-            results = await door.ring({**wire, "lora_install": install}, timeout_s=timeout,
-                                      check=self._engine._check_engine)
-            self._engine._direct_receives += 1
-        else:
-            results = await self._engine._rpc("roe_receive_lora", wire, str(path), key, lora_id, retire_ids,
-                                              timeout=timeout)
+        results, direct = await self._engine._to_workers(manifest, "roe_receive_lora", timeout=timeout,
+                                                         extra={"lora_install": install})
         rpc_s = time.perf_counter() - t0
         for gone in retire:
             self._retired.remove(gone)
@@ -360,7 +353,7 @@ class VllmLoras:
             self._drop_folders([path])
             raise
         self._engine._last_receive = LastReceive(
-            version=manifest.version, rpc_s=round(rpc_s, 6), direct=door is not None,
+            version=manifest.version, rpc_s=round(rpc_s, 6), direct=direct,
             workers=[ReceiveTimings.of(r.get("timings")) for r in results if isinstance(r, dict)],
         )
         loaded = LoadedLora(spec.name, manifest.version, request, path)

@@ -283,11 +283,10 @@ class WorkerExtension:
 
     def _roe_door_receive(self, wire: dict[str, Any]) -> dict[str, Any]:
         """A receive the doorbell handed this worker (its thread holds the receive lock): a LoRA
-        push carries ``lora_install`` (:meth:`roe_receive_lora`'s other arguments), a full push not."""
-        install = wire.get("lora_install")
-        if not isinstance(install, dict):
+        push (its wire carries ``lora_install``) or a full push."""
+        if "lora_install" not in wire:
             return self._roe_receive(wire)
-        result = self._roe_receive_lora(wire, **install)
+        result = self._roe_receive_lora(wire)
         device = getattr(self, "device", None)
         if isinstance(device, torch.device) and device.type == "cuda":
             # The adapter's copies and vLLM's activation of it ran on this thread's stream: done
@@ -334,9 +333,9 @@ class WorkerExtension:
 
         worker_lora_setup(self)
 
-    def roe_receive_lora(self, wire: dict[str, Any], path: str, key: str = "", lora_id: int = 0,
-                         retire: list[int] | None = None) -> dict[str, Any]:
-        """Receive a LoRA adapter push (``wire``: a manifest with ``lora`` set) through this worker's
+    def roe_receive_lora(self, wire: dict[str, Any]) -> dict[str, Any]:
+        """Receive a LoRA adapter push (``wire``: a manifest with ``lora`` set, and beside it
+        ``lora_install``: ``path``, ``key``, ``lora_id``, ``retire``) through this worker's
         receiver, leaving the model untouched; each worker registers the adapter with its vLLM
         LoRA manager as ``key`` / ``lora_id`` from the received tensors, with the config the driver
         wrote into the folder ``path`` (:func:`.lora.worker_install_lora`). ``installed`` False:
@@ -345,10 +344,9 @@ class WorkerExtension:
         uses any more), whatever becomes of this push. The doorbell's thread runs the same receive
         when the engine rings it (:meth:`_roe_door_receive`)."""
         with self._roe_state()["lock"]:  # not beside a receive by the doorbell
-            return self._roe_receive_lora(wire, path, key, lora_id, retire)
+            return self._roe_receive_lora(wire)
 
-    def _roe_receive_lora(self, wire: dict[str, Any], path: str, key: str = "", lora_id: int = 0,
-                          retire: list[int] | None = None) -> dict[str, Any]:
+    def _roe_receive_lora(self, wire: dict[str, Any]) -> dict[str, Any]:
         from rollout_engines.weights.lora import receive_lora, with_install_time, write_adapter_weights
 
         from .lora import worker_install_lora, worker_lora_modules, worker_remove_loras
@@ -358,7 +356,9 @@ class WorkerExtension:
         if receiver is None:
             return error_result(WeightSyncError("no weight transfer initialised in this worker; connect first"))
         try:
-            worker_remove_loras(self, list(retire or ()))
+            install = wire["lora_install"]
+            path, key, lora_id = str(install["path"]), str(install.get("key", "")), int(install.get("lora_id", 0))
+            worker_remove_loras(self, [int(i) for i in install.get("retire", ())])
             manifest = manifest_from_wire(wire)
             if manifest.lora is None:
                 raise ManifestMismatch("a LoRA receive needs a manifest with 'lora' set")

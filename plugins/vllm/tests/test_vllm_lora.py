@@ -96,6 +96,14 @@ async def tokens(engine, lora: str | None = None) -> list[list[int]]:
     return [c.token_ids for c in await engine.generate(request(lora))]
 
 
+async def started(engine, req: GenerateRequest) -> asyncio.Future:
+    """``engine.generate(req)`` as a future, once its request is in the engine."""
+    running = asyncio.ensure_future(engine.generate(req))
+    while not engine._seqs:
+        await asyncio.sleep(0.001)
+    return running
+
+
 def caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
     while exc is not None:
         if isinstance(exc, kind):
@@ -256,9 +264,7 @@ async def test_request_in_flight_keeps_its_version_across_a_push(engine, sync):
     first = engine._loras.active["x"].request.lora_int_id
     long = request("x", max_tokens=200)
     solo_v1 = [c.token_ids for c in await engine.generate(long)]
-    running = asyncio.ensure_future(engine.generate(long))
-    while not engine._seqs:
-        await asyncio.sleep(0.001)
+    running = await started(engine, long)
     await sync.push_lora(spec, v2, version=2)
     assert first in await engine._on_loop(lambda: engine.async_llm.list_loras())  # version 1 is still in use
     outs = await running
@@ -291,9 +297,7 @@ async def test_idle_pushes_ring_the_workers_and_running_requests_take_the_rpc(ti
             assert (await eng.info()).extra["direct_receives"] == 2
             long = request("x", max_tokens=200)
             solo_v2 = [c.token_ids for c in await eng.generate(long)]
-            running = asyncio.ensure_future(eng.generate(long))
-            while not eng._seqs:
-                await asyncio.sleep(0.001)
+            running = await started(eng, long)
             await sync.push_lora(spec, v1, version=3)
             assert (await eng.diagnostics()).last_receive.direct is False  # a request runs: the RPC
             ids.append(eng._loras.active["x"].request.lora_int_id)
