@@ -201,6 +201,47 @@ def merged(sizes: Sequence[int], parts: int) -> list[int]:
     return out
 
 
+def settle(allocations: Sequence[Allocation], drv: Driver, repeats: int, map_all: Any, touch: Any,
+           release: Any, slack: int = 256 << 20, limit_s: float = 2.0) -> dict[str, Any]:
+    """After each release: how many of the released bytes the device reports free at once, how long
+    until it reports them all free (``slack`` short), and how long the mapping then takes."""
+    import torch
+
+    total = sum(a[1] for a in allocations)
+    rounds: list[dict[str, float]] = []
+    for _ in range(repeats):
+        free_before = torch.cuda.mem_get_info()[0]
+        map_all(allocations, 1, drv)
+        touch()
+        released_s = release()
+        t0 = time.perf_counter()
+        free_now = torch.cuda.mem_get_info()[0]
+        polls = 0
+        while free_now < free_before - slack and time.perf_counter() - t0 < limit_s:
+            time.sleep(0.0005)
+            free_now = torch.cuda.mem_get_info()[0]
+            polls += 1
+        settled_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        map_all(allocations, 1, drv)
+        mapped_s = time.perf_counter() - t1
+        touch()
+        release()
+        time.sleep(0.5)  # the next round starts from a device that has its memory back
+        rounds.append({"release_ms": round(released_s * 1e3, 2), "settle_ms": round(settled_s * 1e3, 2),
+                       "polls": polls, "free_short_gb_at_settle": round((free_before - free_now) / 1e9, 3),
+                       "map_after_settle_ms": round(mapped_s * 1e3, 2)})
+    free_at_once = []
+    for _ in range(repeats):  # right after the release calls return: how much is free already?
+        free_before = torch.cuda.mem_get_info()[0]
+        map_all(allocations, 1, drv)
+        touch()
+        release()
+        free_at_once.append(round((free_before - torch.cuda.mem_get_info()[0]) / total, 3))
+        time.sleep(0.5)
+    return {"rounds": rounds, "short_fraction_right_after_release": free_at_once}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-14b", choices=sorted(SHAPES))
@@ -211,6 +252,10 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2,4,8,16")
     parser.add_argument("--delays", default="0,0.05,0.2,0.5,1,2",
                         help="seconds between a release and the next mapping (one thread), comma-separated")
+    parser.add_argument("--settle", action="store_true",
+                        help="also, after each release, poll the device's free memory until the released "
+                        "bytes are back (at most 2 s), then map again: is the slow mapping right after a "
+                        "release the driver still giving that memory back, and can a sleep wait for it?")
     args = parser.parse_args()
     import torch
 
@@ -283,6 +328,8 @@ def main() -> None:
             touch()
             releases.append(release())
     out["delay_s_to_map_ms"] = delays
+    if args.settle:
+        out["settle"] = settle(allocations, drv, args.repeats, map_allocations, touch, release)
     out["release_median_ms"] = round(statistics.median(releases) * 1e3, 2)
     one = runs.get("1", {}).get("median_ms")
     if one:
