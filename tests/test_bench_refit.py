@@ -36,6 +36,7 @@ def test_bench_refit_cli(tiny_model):
     phases = result["push_phases_median_s"]  # the engine's own account of each cycle's push
     assert phases["push"] == pytest.approx(med["push"], abs=1e-5) and 0 < phases["worker_total"] <= phases["push"]
     assert result["verified"] is True and result["pushes_verified"] == [True, True]
+    assert result["sleep_freed_gb"] is None and result["freed_at_wake_gb"] is None  # no GPU, nothing read
 
 
 def test_bench_refit_from_one_set_of_tensors(tiny_model):

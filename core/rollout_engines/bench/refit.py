@@ -24,6 +24,10 @@ one. Greedy tokens are exact on tiny models; on real-size random models on a GPU
 reproducible token for token, so a greedy-token mismatch there leaves ``verified`` false with
 ``fingerprint: "greedy tokens"`` telling why.
 
+On a GPU, ``sleep_freed_gb`` is what the device reported freed right after each sleep returned,
+and ``freed_at_wake_gb`` the same right before the wake-up (after ``--idle-s``): whether the
+memory a sleep gives back is there for the trainer when the call returns.
+
 ``engine_workers`` is what the engine's workers said of themselves at the start
 (``info().extra['workers']``; vLLM's include how many sleep-mode allocations the weights take).
 """
@@ -114,6 +118,12 @@ def run(args: Any) -> dict[str, Any]:
             return out
 
         workers: list[Any] = []
+        #: Per cycle on a GPU: bytes the device reported free beyond what it had before the sleep,
+        #: right after the sleep returned and right before the wake-up (after ``--idle-s``).
+        freed: list[tuple[int, int]] = []
+
+        def free_bytes() -> int:
+            return int(torch.cuda.mem_get_info()[0]) if gpu else 0
 
         async def go() -> tuple[list[dict[str, float]], list[bool]]:
             workers.extend((await engine.info()).extra.get("workers") or [])
@@ -129,9 +139,13 @@ def run(args: Any) -> dict[str, Any]:
                 for i in range(cycles):
                     tensors = weights.use(changed if i % 2 == 0 else original)  # untimed
                     row: dict[str, float] = {}
+                    before = free_bytes()
                     await timed("sleep", row, engine.sleep(level=level))
+                    at_sleep = free_bytes()
                     if idle_s:
                         await asyncio.sleep(idle_s)  # untimed: the trainer's step
+                    if gpu:
+                        freed.append((at_sleep - before, free_bytes() - before))
                     await timed("wake_weights", row, engine.wake_up(tags=["weights"]))
                     push = sync.push(tensors, version=engine.weight_version + 1)
                     if overlap:
@@ -190,4 +204,12 @@ def run(args: Any) -> dict[str, Any]:
         "options": bench.options,
         "transport_options": bench.transport_options,
         "engine_workers": workers,
+        # GB the device reported freed by the sleep (median of cycles 2..N): right after it
+        # returned, and right before the wake-up; None without a GPU
+        "sleep_freed_gb": _freed_gb([f[0] for f in freed[1:] or freed]),
+        "freed_at_wake_gb": _freed_gb([f[1] for f in freed[1:] or freed]),
     }
+
+
+def _freed_gb(values: list[int]) -> float | None:
+    return round(statistics.median(values) / 1e9, 3) if values else None
