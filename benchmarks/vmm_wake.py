@@ -11,7 +11,8 @@ way), each driver call's share of that, and mapping them in 2, 4, 8 and 16 threa
 them (a sleep's work). ``--delays`` then times the single-thread mapping again after waiting
 that many seconds after the last release (does the driver finish something in the background?).
 ``--merged K`` merges the allocations, in order, into K (would a loader that packs the weights
-into few allocations wake them faster?).
+into few allocations wake them faster?). ``--settle`` also checks, after each release, whether the
+device reports the released bytes free (and how long until it does), then maps again.
 Needs a CUDA GPU; prints one JSON line.
 
     python benchmarks/vmm_wake.py --shape qwen3-14b
