@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "refit is then wake_weights + push_and_kv, and push / wake_kv are each call's own time")
     parser.add_argument("--idle-s", type=idle_seconds, default=0.0, metavar="SECONDS",
                         help="seconds between each cycle's sleep and its wake-up, untimed: the trainer's step; "
-                        "a wake-up right after a sleep also times the driver finishing the release")
+                        "a wake-up right after a sleep maps its memory more slowly (benchmarks/RESULTS.md)")
 
 
 def run(args: Any) -> dict[str, Any]:
