@@ -74,13 +74,34 @@ def test_bench_refit_idles_between_sleep_and_wake_up(tiny_model):
     assert result["median_s"]["wake_weights"] < 0.15 and result["first_cycle_s"]["wake_weights"] < 0.15
 
 
+def test_bench_refit_serves_between_cycles(tiny_model):
+    """``--serve-s``: the engine stays awake before each cycle's sleep (the rollouts between two
+    refits), outside the timed phases; the run takes at least that long per cycle, every push still
+    lands."""
+    import time
+
+    t0 = time.perf_counter()
+    proc = _bench("--model", str(tiny_model), "--cycles", "2", "--serve-s", "0.5")
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["serve_s"] == 0.5 and result["idle_s"] == 0.0
+    assert result["verified"] is True and result["pushes_verified"] == [True, True]
+    assert wall >= 2 * 0.5
+    assert all(v < 0.5 for v in result["first_cycle_s"].values())  # the pause is in no timed phase
+
+
 def test_bench_refit_refuses_a_negative_idle(tiny_model):
     from rollout_engines.bench.refit import run
 
     with pytest.raises(ValueError, match=r"--idle-s must be >= 0, got -0\.5"):
         run({"backend": "transformers", "model": str(tiny_model), "idle_s": -0.5})
-    for bad, message in (("-1", "--idle-s must be >= 0, got -1.0"), ("soon", "--idle-s wants seconds, got 'soon'")):
-        proc = _bench("--model", str(tiny_model), "--idle-s", bad)  # a usage error before any engine starts
+    with pytest.raises(ValueError, match=r"--serve-s must be >= 0, got nan"):
+        run({"backend": "transformers", "model": str(tiny_model), "serve_s": float("nan")})
+    for flag, bad, message in (("--idle-s", "-1", "--idle-s must be >= 0, got -1.0"),
+                               ("--idle-s", "soon", "--idle-s wants seconds, got 'soon'"),
+                               ("--serve-s", "-2", "--serve-s must be >= 0, got -2.0")):
+        proc = _bench("--model", str(tiny_model), flag, bad)  # a usage error before any engine starts
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
 
 

@@ -7,7 +7,7 @@ import argparse
 import math
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,23 +26,32 @@ def p90(values: list[float]) -> float:
     return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
-def check_idle(value: float) -> float:
-    """An ``--idle-s`` value (seconds of an untimed pause): refuse a negative one or NaN."""
+def check_idle(value: float, flag: str = "--idle-s") -> float:
+    """A value of ``flag`` (seconds of an untimed pause): refuse a negative one or NaN."""
     if not value >= 0:  # NaN too
-        raise ValueError(f"--idle-s must be >= 0, got {value}")
+        raise ValueError(f"{flag} must be >= 0, got {value}")
     return value
 
 
-def idle_seconds(text: str) -> float:
-    """``--idle-s`` as argparse reads it: a bad value is a usage error (exit status 2)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--idle-s wants seconds, got {text!r}") from None
-    try:
-        return check_idle(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def seconds_type(flag: str) -> Callable[[str], float]:
+    """An argparse ``type`` for ``flag`` (seconds of an untimed pause): a bad value is a usage
+    error (exit status 2)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} wants seconds, got {text!r}") from None
+        try:
+            return check_idle(value, flag)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+#: ``--idle-s`` as argparse reads it.
+idle_seconds = seconds_type("--idle-s")
 
 
 def arg(args: Any, name: str, default: Any) -> Any:

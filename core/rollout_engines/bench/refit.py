@@ -7,7 +7,10 @@ first token after waking (one greedy generate of one token). ``refit`` is
 ``wake_weights + push + wake_kv``: the time from "training is done" to "the engine can generate".
 With ``--overlap-kv`` the KV cache wakes while the push runs (``asyncio.gather``: a trainer can do
 the same), and ``refit`` is ``wake_weights + push_and_kv``, the pair's time. ``--idle-s`` waits,
-untimed, between each cycle's sleep and its wake-up, as the trainer's step does.
+untimed, between each cycle's sleep and its wake-up, as the trainer's step does; ``--serve-s``
+waits, untimed, with the engine awake before each cycle's sleep, as the rollouts between two
+refits do. Without them the cycles run back to back, which no trainer does: on a GPU, memory
+mapped again right after it was released maps more slowly (``benchmarks/RESULTS.md``).
 
 The weight-sync session is opened once, before the first cycle, as a trainer does, and
 ``--warmup`` untimed pushes (4, alternating the two weight sets as the cycles do) go first: a
@@ -50,6 +53,7 @@ from .common import (
     idle_seconds,
     p90,
     push_weights,
+    seconds_type,
 )
 
 PHASES = ("sleep", "wake_weights", "push", "wake_kv", "push_and_kv", "first_token", "refit")
@@ -65,10 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--idle-s", type=idle_seconds, default=0.0, metavar="SECONDS",
                         help="seconds between each cycle's sleep and its wake-up, untimed: the trainer's step; "
                         "a wake-up right after a sleep maps its memory more slowly (benchmarks/RESULTS.md)")
+    parser.add_argument("--serve-s", type=seconds_type("--serve-s"), default=0.0, metavar="SECONDS",
+                        help="seconds the engine stays awake before each cycle's sleep, untimed: the rollouts "
+                        "between two refits")
 
 
 def run(args: Any) -> dict[str, Any]:
     idle_s = check_idle(float(arg(args, "idle_s", 0.0)))
+    serve_s = check_idle(float(arg(args, "serve_s", 0.0)), "--serve-s")
 
     import torch
 
@@ -139,6 +147,8 @@ def run(args: Any) -> dict[str, Any]:
                 for i in range(cycles):
                     tensors = weights.use(changed if i % 2 == 0 else original)  # untimed
                     row: dict[str, float] = {}
+                    if serve_s:
+                        await asyncio.sleep(serve_s)  # untimed: the rollouts between two refits
                     before = free_bytes()
                     await timed("sleep", row, engine.sleep(level=level))
                     at_sleep = free_bytes()
@@ -183,6 +193,7 @@ def run(args: Any) -> dict[str, Any]:
         "sleep_level": level,
         "overlap_kv": overlap,
         "idle_s": idle_s,
+        "serve_s": serve_s,
         "cycles": cycles,
         "warmup_pushes": warmup,
         "bytes": weights.total_bytes,
