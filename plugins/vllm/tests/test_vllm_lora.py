@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import stat
+import time
 
 import pytest
 import torch
@@ -96,10 +97,18 @@ async def tokens(engine, lora: str | None = None) -> list[list[int]]:
     return [c.token_ids for c in await engine.generate(request(lora))]
 
 
-async def started(engine, req: GenerateRequest) -> asyncio.Future:
-    """``engine.generate(req)`` as a future, once its request is in the engine."""
+async def started(engine, req: GenerateRequest, timeout_s: float = 60.0) -> asyncio.Future:
+    """``engine.generate(req)`` as a future, once its request is in the engine (at most
+    ``timeout_s``; a generate that failed before that raises its own error)."""
     running = asyncio.ensure_future(engine.generate(req))
+    deadline = time.monotonic() + timeout_s
     while not engine._seqs:
+        if running.done():
+            running.result()  # raised at once, or returned without ever being seen running
+            raise AssertionError("the request finished before it was seen in the engine")
+        if time.monotonic() > deadline:
+            running.cancel()
+            raise AssertionError(f"the request was not in the engine after {timeout_s} s")
         await asyncio.sleep(0.001)
     return running
 
