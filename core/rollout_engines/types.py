@@ -468,6 +468,8 @@ class ReceiveTimings(_Model):
     check_s: float = Field(default=0.0, description="Checksums of the buckets.")
     apply_s: float = Field(default=0.0, description="Copies into the model.")
     install_s: float = Field(default=0.0, description="Registering a received LoRA adapter with the engine.")
+    install_cpu_s: float = Field(default=0.0, description="Of install_s, the installing thread's CPU time (the "
+                                 "rest it waited: for Python's GIL, a lock, the device).")
     total_s: float = 0.0
     gpu_s: float = Field(default=0.0, description="On the GPU, from the first copy's start to the last one's end "
                          "(CUDA receivers with ROLLOUT_ENGINES_PUSH_TIMELINE=1; zero otherwise).")

@@ -113,6 +113,8 @@ def test_lora_push_benchmark_pushes_adapters_that_land(tiny_model):
     # where a push's time went: the adapter's receive and its installation in the engine
     phases = result["phases_median_s"]
     assert 0 < phases["worker_install"] <= phases["worker_total"] <= phases["push"]
+    # of the install, the installing thread's CPU time (the rest it waited)
+    assert 0 < phases["worker_install_cpu"] <= phases["worker_install"] + 1e-5
     # what the engine said of itself while the transfer was open (e.g. vLLM's direct_receives)
     assert result["engine_extra"]["dtype"] == "float32" and result["engine_extra"]["device"] == "cpu"
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -295,10 +296,21 @@ def write_adapter_weights(folder: str | Path, tensors: Mapping[str, torch.Tensor
     return file
 
 
-def with_install_time(timings: Mapping[str, float], seconds: float) -> dict[str, float]:
-    """A receiver's ``last_timings`` with ``seconds`` of installing the adapter added (``install``,
-    and to ``total``), as :class:`~rollout_engines.types.ReceiveTimings` reads them."""
-    return {**timings, "install": round(seconds, 6), "total": round(timings.get("total", 0.0) + seconds, 6)}
+def install_started() -> tuple[float, float]:
+    """The clocks at the start of an adapter's install, for :func:`with_install_time` (called
+    on the same thread): wall time and this thread's CPU time."""
+    return time.perf_counter(), time.thread_time()
+
+
+def with_install_time(timings: Mapping[str, float], started: tuple[float, float]) -> dict[str, float]:
+    """A receiver's ``last_timings`` with the install since ``started`` (:func:`install_started`)
+    added, as :class:`~rollout_engines.types.ReceiveTimings` reads them: ``install`` (wall, also
+    added to ``total``) and ``install_cpu`` (this thread's CPU time in it; the rest of ``install``
+    the thread waited: for Python's GIL, a lock, the device)."""
+    seconds = time.perf_counter() - started[0]
+    cpu = time.thread_time() - started[1]
+    return {**timings, "install": round(seconds, 6), "install_cpu": round(cpu, 6),
+            "total": round(timings.get("total", 0.0) + seconds, 6)}
 
 
 # ---- test and benchmark adapters -------------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -347,7 +346,12 @@ class WorkerExtension:
             return self._roe_receive_lora(wire)
 
     def _roe_receive_lora(self, wire: dict[str, Any]) -> dict[str, Any]:
-        from rollout_engines.weights.lora import receive_lora, with_install_time, write_adapter_weights
+        from rollout_engines.weights.lora import (
+            install_started,
+            receive_lora,
+            with_install_time,
+            write_adapter_weights,
+        )
 
         from .lora import worker_install_lora, worker_lora_modules, worker_remove_loras
 
@@ -364,11 +368,11 @@ class WorkerExtension:
                 raise ManifestMismatch("a LoRA receive needs a manifest with 'lora' set")
             tensors = receive_lora(receiver, manifest, state["target"].expected_specs(), supported=worker_lora_modules(self),
                                    hint="vLLM has no LoRA layer for them in this model")
-            t0 = time.perf_counter()
+            started = install_started()
             installed = bool(key) and worker_install_lora(self, tensors, key=key, lora_id=lora_id, path=path)
             if not installed and int(getattr(self, "rank", 0)) == 0:  # for the driver's add_lora
                 write_adapter_weights(path, tensors)
-            timings = with_install_time(receiver.last_timings, time.perf_counter() - t0)
+            timings = with_install_time(receiver.last_timings, started)
             return {"ok": True, "version": manifest.version, "installed": installed, "timings": timings}
         except BaseException as exc:
             if not isinstance(exc, ManifestMismatch):

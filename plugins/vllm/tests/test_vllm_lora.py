@@ -300,7 +300,10 @@ async def test_idle_pushes_ring_the_workers_and_running_requests_take_the_rpc(ti
             ids = []
             for version, tensors in ((1, v1), (2, v2)):
                 await sync.push_lora(spec, tensors, version=version)
-                assert (await eng.diagnostics()).last_receive.direct is True
+                last = (await eng.diagnostics()).last_receive
+                assert last.direct is True
+                # the install's wall time on the doorbell's thread, and that thread's CPU time in it
+                assert 0 < last.workers[0].install_cpu_s <= last.workers[0].install_s + 1e-5
                 assert await tokens(eng, "x") == reference(spec, tensors)
                 ids.append(eng._loras.active["x"].request.lora_int_id)
             assert (await eng.info()).extra["direct_receives"] == 2

@@ -65,7 +65,6 @@ import concurrent.futures
 import gc
 import logging
 import threading
-import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
@@ -95,7 +94,7 @@ from ...types import (
     StreamDelta,
     TokenLogprob,
 )
-from ...weights.lora import receive_lora, with_install_time
+from ...weights.lora import install_started, receive_lora, with_install_time
 from ...weights.manifest import TensorSpec, TransportSpec, WeightManifest
 from ...weights.receiver import StateDictTarget, WeightReceiver
 from .generation import Batch, Row, make_rows, run_batch
@@ -1025,9 +1024,9 @@ class TransformersEngine(Engine):
             with self._receive_lock:
                 tensors = receive_lora(receiver, manifest, self._lora.base_specs())
                 timings = receiver.last_timings
-            t0 = time.perf_counter()
+            started = install_started()
             adapter = self._lora.build(spec.name, manifest.version, spec.scaling, tensors)
-            return adapter, with_install_time(timings, time.perf_counter() - t0)
+            return adapter, with_install_time(timings, started)
 
         adapter, timings = await run_in_thread(receive, name="roe-lora-receive")
         with self._cv:  # requests admitted from the next step on get this version
