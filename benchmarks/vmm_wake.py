@@ -13,6 +13,8 @@ that many seconds after the last release (does the driver finish something in th
 ``--merged K`` merges the allocations, in order, into K (would a loader that packs the weights
 into few allocations wake them faster?). ``--settle`` also checks, after each release, whether the
 device reports the released bytes free (and how long until it does), then maps again.
+``--after-pause`` follows a refit's order: memory mapped right after a release (or after a rest)
+stays mapped P seconds, then is released and mapped again at once.
 Needs a CUDA GPU; prints one JSON line.
 
     python benchmarks/vmm_wake.py --shape qwen3-14b
@@ -243,6 +245,36 @@ def settle(allocations: Sequence[Allocation], drv: Driver, repeats: int, map_all
     return {"rounds": rounds, "short_fraction_right_after_release": free_at_once}
 
 
+def after_pause(allocations: Sequence[Allocation], drv: Driver, repeats: int, pauses: Sequence[float],
+                map_all: Any, touch: Any, release: Any) -> dict[str, Any]:
+    """A refit's order, per pause P: the memory mapped right after a release (as a wake-up right
+    after a sleep maps it), then P seconds with it mapped (the engine serving), then released and,
+    at once, mapped again (timed). And, for comparison, the same with the first mapping made on a
+    device that rested 0.5 s after the release before it. Does memory mapped right after a release
+    stay slow to map again once released, however long it stayed mapped?"""
+    out: dict[str, Any] = {}
+    for rested in (False, True):
+        for pause in pauses:
+            times = []
+            for _ in range(repeats):  # each round starts and ends with the memory released
+                map_all(allocations, 1, drv)
+                touch()
+                release()
+                if rested:
+                    time.sleep(0.5)
+                map_all(allocations, 1, drv)
+                touch()
+                time.sleep(pause)
+                release()
+                t0 = time.perf_counter()
+                map_all(allocations, 1, drv)
+                times.append(round((time.perf_counter() - t0) * 1e3, 2))
+                touch()
+                release()
+            out[f"{'rested' if rested else 'right_after_release'}_then_{pause}s_mapped"] = times
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-14b", choices=sorted(SHAPES))
@@ -257,6 +289,10 @@ def main() -> None:
                         help="also, after each release, poll the device's free memory until the released "
                         "bytes are back (at most 2 s), then map again: is the slow mapping right after a "
                         "release the driver still giving that memory back, and can a sleep wait for it?")
+    parser.add_argument("--after-pause", default="",
+                        help="also, for each of these seconds P (comma-separated): map right after a release, "
+                        "stay mapped P seconds, release and map again at once (timed); the same with the first "
+                        "mapping made after a 0.5 s rest")
     args = parser.parse_args()
     import torch
 
@@ -331,6 +367,10 @@ def main() -> None:
     out["delay_s_to_map_ms"] = delays
     if args.settle:
         out["settle"] = settle(allocations, drv, args.repeats, map_allocations, touch, release)
+    if args.after_pause:
+        pauses = [float(p) for p in args.after_pause.split(",") if p]
+        out["after_pause_map_ms"] = after_pause(allocations, drv, args.repeats, pauses, map_allocations, touch,
+                                                release)
     out["release_median_ms"] = round(statistics.median(releases) * 1e3, 2)
     one = runs.get("1", {}).get("median_ms")
     if one:

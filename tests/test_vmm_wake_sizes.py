@@ -48,3 +48,33 @@ def test_balanced_shares_hold_every_allocation_once():
     assert sorted(a for share in shares for a in share) == sorted(allocations)
     loads = [sum(a[1] for a in share) for share in shares]
     assert max(loads) - min(loads) <= max(a[1] for a in allocations)
+
+
+def test_after_pause_maps_and_releases_in_a_refits_order(monkeypatch):
+    """``--after-pause``'s rounds, over a fake driver that keeps the mapped state (no GPU here):
+    every round starts and ends with the memory released, never maps mapped memory nor releases
+    released memory, and times one mapping per round for each pause, first without a rest, then
+    with one."""
+    state = {"mapped": False, "events": []}
+    monkeypatch.setattr(vmm_wake.time, "sleep", lambda s: state["events"].append(("sleep", s)))
+
+    def map_all(allocations, threads, drv):
+        assert not state["mapped"] and threads == 1
+        state["mapped"] = True
+        state["events"].append("map")
+
+    def release():
+        assert state["mapped"]
+        state["mapped"] = False
+        state["events"].append("release")
+        return 0.0
+
+    out = vmm_wake.after_pause([(0, 2 << 20, 0, 0)], None, 2, [0.0, 1.0], map_all, lambda: None, release)
+    assert list(out) == ["right_after_release_then_0.0s_mapped", "right_after_release_then_1.0s_mapped",
+                         "rested_then_0.0s_mapped", "rested_then_1.0s_mapped"]
+    assert all(len(times) == 2 and all(t >= 0 for t in times) for times in out.values())
+    assert state["mapped"] is False
+    # a rested round: map, release, rest 0.5 s, map, stay mapped P s, release, map (timed), release
+    assert state["events"][-8:] == ["map", "release", ("sleep", 0.5), "map", ("sleep", 1.0), "release", "map",
+                                    "release"]
+    assert ("sleep", 0.5) not in state["events"][: len(state["events"]) // 2]  # no rest in the first half
