@@ -26,11 +26,17 @@ def p90(values: list[float]) -> float:
     return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
-def check_idle(value: float, flag: str = "--idle-s") -> float:
+def check_seconds(value: float, flag: str) -> float:
     """A value of ``flag`` (seconds of an untimed pause): refuse a negative one or NaN."""
     if not value >= 0:  # NaN too
         raise ValueError(f"{flag} must be >= 0, got {value}")
     return value
+
+
+def pause_seconds(args: Any, name: str) -> float:
+    """The pause ``args.name`` (e.g. ``idle_s``, the flag ``--idle-s``) in seconds, 0 when unset;
+    refused as :func:`check_seconds` does."""
+    return check_seconds(float(arg(args, name, 0.0)), "--" + name.replace("_", "-"))
 
 
 def seconds_type(flag: str) -> Callable[[str], float]:
@@ -43,7 +49,7 @@ def seconds_type(flag: str) -> Callable[[str], float]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} wants seconds, got {text!r}") from None
         try:
-            return check_idle(value, flag)
+            return check_seconds(value, flag)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 

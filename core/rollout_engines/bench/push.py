@@ -50,11 +50,11 @@ from .common import (
     PushBench,
     add_push_arguments,
     arg,
-    check_idle,
     host_speed,
     idle_seconds,
     memcpy_gbps,
     p90,
+    pause_seconds,
     push_weights,
     python_loop_s,
 )
@@ -108,7 +108,7 @@ def run(args: Any) -> dict[str, Any]:
     from ..types import GenerateRequest, SamplingParams
     from ..weights.session import connect_weight_sync
 
-    idle_s = check_idle(float(arg(args, "idle_s", 0.0)))  # before an engine starts
+    idle_s = pause_seconds(args, "idle_s")  # before an engine starts
     bench = PushBench.start(args, checksum="pos64")
     engine, model = bench.engine, bench.model
     pushes = max(1, int(arg(args, "pushes", 6)))

@@ -49,9 +49,9 @@ from .common import (
     PushBench,
     add_push_arguments,
     arg,
-    check_idle,
     idle_seconds,
     p90,
+    pause_seconds,
     push_weights,
     seconds_type,
 )
@@ -75,8 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: Any) -> dict[str, Any]:
-    idle_s = check_idle(float(arg(args, "idle_s", 0.0)))
-    serve_s = check_idle(float(arg(args, "serve_s", 0.0)), "--serve-s")
+    idle_s = pause_seconds(args, "idle_s")
+    serve_s = pause_seconds(args, "serve_s")
 
     import torch
 
