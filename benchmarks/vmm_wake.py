@@ -14,7 +14,9 @@ that many seconds after the last release (does the driver finish something in th
 into few allocations wake them faster?). ``--settle`` also checks, after each release, whether the
 device reports the released bytes free (and how long until it does), then maps again.
 ``--after-pause`` follows a refit's order: memory mapped right after a release (or after a rest)
-stays mapped P seconds, then is released and mapped again at once.
+stays mapped P seconds, then is released and mapped again at once; with ``--kv-mb M`` the same
+rounds run again with M MiB of KV cache in one allocation per layer, mapped after the weights and
+released right after them, as a vLLM engine's wake-ups and sleep do (the weights' mapping is timed).
 Needs a CUDA GPU; prints one JSON line.
 
     python benchmarks/vmm_wake.py --shape qwen3-14b
@@ -246,33 +248,57 @@ def settle(allocations: Sequence[Allocation], drv: Driver, repeats: int, map_all
 
 
 def after_pause(allocations: Sequence[Allocation], drv: Driver, repeats: int, pauses: Sequence[float],
-                map_all: Any, touch: Any, release: Any) -> dict[str, Any]:
+                map_all: Any, touch: Any, release: Any, map_rest: Any = None) -> dict[str, Any]:
     """A refit's order, per pause P: the memory mapped right after a release (as a wake-up right
     after a sleep maps it), then P seconds with it mapped (the engine serving), then released and,
     at once, mapped again (timed). And, for comparison, the same with the first mapping made on a
     device that rested 0.5 s after the release before it. Does memory mapped right after a release
-    stay slow to map again once released, however long it stayed mapped?"""
+    stay slow to map again once released, however long it stayed mapped? ``map_rest`` (untimed)
+    follows every mapping of ``allocations`` (the KV cache's wake-up after the weights'); ``release``
+    then releases both."""
     out: dict[str, Any] = {}
+
+    def map_weights() -> None:
+        map_all(allocations, 1, drv)
+        if map_rest is not None:
+            map_rest()
+
     for rested in (False, True):
         for pause in pauses:
             times = []
             for _ in range(repeats):  # each round starts and ends with the memory released
-                map_all(allocations, 1, drv)
+                map_weights()
                 touch()
                 release()
                 if rested:
                     time.sleep(0.5)
-                map_all(allocations, 1, drv)
+                map_weights()
                 touch()
                 time.sleep(pause)
                 release()
                 t0 = time.perf_counter()
                 map_all(allocations, 1, drv)
                 times.append(round((time.perf_counter() - t0) * 1e3, 2))
+                if map_rest is not None:
+                    map_rest()
                 touch()
                 release()
             out[f"{'rested' if rested else 'right_after_release'}_then_{pause}s_mapped"] = times
     return out
+
+
+def kv_sizes(shape: str, total: int) -> list[int]:
+    """``total`` bytes of KV cache as one allocation per layer of ``shape`` (vLLM's layout: one KV
+    tensor per attention layer), each rounded up to the driver's granularity."""
+    layers = SHAPES[shape][2]
+    return [-(-max(1, total // layers) // GRANULARITY) * GRANULARITY] * layers
+
+
+def reserve(sizes: Sequence[int], device: int, drv: Driver) -> tuple[list[Allocation], Any]:
+    """An address range reserved for each size, and the handle slots they use (keep them alive)."""
+    slots = (ctypes.c_ulonglong * len(sizes))()
+    base = ctypes.addressof(slots)
+    return [(device, size, drv.reserve(size), base + 8 * i) for i, size in enumerate(sizes)], slots
 
 
 def main() -> None:
@@ -293,16 +319,20 @@ def main() -> None:
                         help="also, for each of these seconds P (comma-separated): map right after a release, "
                         "stay mapped P seconds, release and map again at once (timed); the same with the first "
                         "mapping made after a 0.5 s rest")
+    parser.add_argument("--kv-mb", type=int, default=0,
+                        help="with --after-pause: run its rounds again with this many MiB of KV cache, one "
+                        "allocation per layer, mapped after the weights and released right after them (as a "
+                        "vLLM engine's wake-ups and sleep do)")
     args = parser.parse_args()
+    if args.kv_mb < 0 or (args.kv_mb and not args.after_pause):
+        parser.error("--kv-mb takes a size in MiB >= 0, and only with --after-pause")
     import torch
 
     torch.zeros(1, device="cuda")  # the primary context, current in this thread
     device = torch.cuda.current_device()
     drv = Driver()
     sizes = merged(allocation_sizes(args.shape), args.merged)
-    slots = (ctypes.c_ulonglong * len(sizes))()
-    base = ctypes.addressof(slots)
-    allocations = [(device, size, drv.reserve(size), base + 8 * i) for i, size in enumerate(sizes)]
+    allocations, _slots = reserve(sizes, device, drv)
     total = sum(sizes)
     out: dict = {"shape": args.shape, "allocations": len(sizes), "bytes": total, "gpu": torch.cuda.get_device_name()}
 
@@ -371,6 +401,23 @@ def main() -> None:
         pauses = [float(p) for p in args.after_pause.split(",") if p]
         out["after_pause_map_ms"] = after_pause(allocations, drv, args.repeats, pauses, map_allocations, touch,
                                                 release)
+        if args.kv_mb:
+            kv, _kv_slots = reserve(kv_sizes(args.shape, args.kv_mb << 20), device, drv)
+
+            def release_both() -> float:
+                t0 = time.perf_counter()
+                release()
+                for allocation in kv:
+                    drv.unmap_and_release(allocation)
+                return time.perf_counter() - t0
+
+            out["kv_allocations"] = len(kv)
+            out["kv_bytes"] = sum(a[1] for a in kv)
+            out["after_pause_with_kv_map_ms"] = after_pause(allocations, drv, args.repeats, pauses, map_allocations,
+                                                            touch, release_both,
+                                                            lambda: map_allocations(kv, 1, drv))
+            for _, size, ptr, _ in kv:
+                drv.free_range(ptr, size)
     out["release_median_ms"] = round(statistics.median(releases) * 1e3, 2)
     one = runs.get("1", {}).get("median_ms")
     if one:

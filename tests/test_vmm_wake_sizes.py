@@ -3,6 +3,8 @@ shape's allocations as vLLM's loader makes them, their merge into fewer, and the
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from repo_scripts import load_script
 
@@ -78,3 +80,52 @@ def test_after_pause_maps_and_releases_in_a_refits_order(monkeypatch):
     assert state["events"][-8:] == ["map", "release", ("sleep", 0.5), "map", ("sleep", 1.0), "release", "map",
                                     "release"]
     assert ("sleep", 0.5) not in state["events"][: len(state["events"]) // 2]  # no rest in the first half
+
+
+def test_kv_sizes_give_one_allocation_per_layer_holding_at_least_the_bytes_asked():
+    sizes = vmm_wake.kv_sizes("qwen3-14b", 4 << 30)
+    assert len(sizes) == vmm_wake.SHAPES["qwen3-14b"][2]
+    assert all(s % vmm_wake.GRANULARITY == 0 and s == sizes[0] for s in sizes)
+    assert 4 << 30 <= sum(sizes) < (4 << 30) + len(sizes) * vmm_wake.GRANULARITY
+
+
+def test_after_pause_with_kv_maps_it_after_the_weights_untimed_and_releases_both(monkeypatch):
+    """``--kv-mb``: every mapping of the weights is followed by the KV cache's, outside the timed
+    call, and every release gives back both (fake driver, as above)."""
+    state = {"weights": False, "kv": False, "events": []}
+    monkeypatch.setattr(vmm_wake.time, "sleep", lambda s: state["events"].append(("sleep", s)))
+    clock = iter(range(1000))
+    monkeypatch.setattr(vmm_wake.time, "perf_counter", lambda: float(next(clock)))
+
+    def map_all(allocations, threads, drv):
+        assert not state["weights"] and not state["kv"]
+        state["weights"] = True
+        state["events"].append("map")
+
+    def map_kv():
+        assert state["weights"] and not state["kv"]
+        state["kv"] = True
+        state["events"].append("map kv")
+        next(clock)  # time the KV mapping would take, if it were inside the timed span
+
+    def release():
+        assert state["weights"] and state["kv"]
+        state["weights"] = state["kv"] = False
+        state["events"].append("release both")
+        return 0.0
+
+    out = vmm_wake.after_pause([(0, 2 << 20, 0, 0)], None, 1, [0.0], map_all, lambda: None, release, map_kv)
+    assert not state["weights"] and not state["kv"]
+    assert state["events"].count("map") == state["events"].count("map kv") == 6  # 3 per round, 2 rounds
+    events = state["events"]
+    assert all(events[i + 1] == "map kv" for i, ev in enumerate(events) if ev == "map")
+    assert all(times == [1e3] for times in out.values())  # one clock tick: the weights' mapping alone
+
+
+@pytest.mark.parametrize("argv", [["--kv-mb", "4096"], ["--after-pause", "0", "--kv-mb", "-1"]])
+def test_kv_mb_is_refused_without_after_pause_or_below_zero(monkeypatch, capsys, argv):
+    monkeypatch.setattr(sys, "argv", ["vmm_wake.py", *argv])
+    with pytest.raises(SystemExit) as exc:
+        vmm_wake.main()
+    assert exc.value.code == 2
+    assert "--kv-mb takes a size in MiB >= 0, and only with --after-pause" in capsys.readouterr().err
