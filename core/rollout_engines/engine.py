@@ -423,6 +423,17 @@ class Engine(EngineProtocol):
             aborted = {rid for rid in ids if gated.pop(rid, False)}
         return aborted
 
+    async def _admitted(self, request: GenerateRequest) -> tuple[GenerateRequest, set[str], bool]:
+        """What :meth:`generate` and :meth:`stream` do before they run a request: check it, give it
+        ids, wait at the pause gate. Returns the request with its ids, the ids aborted while it
+        waited, and whether that was all of them (then it is not run)."""
+        self._check_usable()
+        self._check_request(request)
+        request = self._with_ids(request)
+        aborted = await self._pass_gate(request)
+        self._check_usable()
+        return request, aborted, bool(aborted) and len(aborted) >= len(request.request_ids or ())
+
     #: How long the ids of a request aborted while a pause held it are aborted again and again
     #: until the backend knows them (see :func:`abort_repeatedly`).
     ABORT_RETRY_S: ClassVar[float] = 2.0
@@ -455,12 +466,8 @@ class Engine(EngineProtocol):
 
     async def generate(self, request: GenerateRequest) -> list[Completion]:
         """Generate for every prompt of the batch; returns batch_size * n completions, prompt-major."""
-        self._check_usable()
-        self._check_request(request)
-        request = self._with_ids(request)
-        aborted = await self._pass_gate(request)
-        self._check_usable()
-        if aborted and len(aborted) >= len(request.request_ids or ()):
+        request, aborted, unrun = await self._admitted(request)
+        if unrun:
             return self._aborted_unrun(request)
         self._outstanding += 1
         try:
@@ -479,12 +486,8 @@ class Engine(EngineProtocol):
         they are made; the last delta of each sequence carries its ``finish_reason``. The engine
         produces no faster than the caller consumes (bounded buffers). Backends without the
         ``streaming`` capability yield each sequence whole when it is done."""
-        self._check_usable()
-        self._check_request(request)
-        request = self._with_ids(request)
-        aborted = await self._pass_gate(request)
-        self._check_usable()
-        if aborted and len(aborted) >= len(request.request_ids or ()):
+        request, aborted, unrun = await self._admitted(request)
+        if unrun:
             for c in self._aborted_unrun(request):
                 yield StreamDelta(request_id=c.request_id, prompt_index=c.prompt_index, sample_index=c.sample_index,
                                   weight_version=c.weight_version, finish_reason="abort")
