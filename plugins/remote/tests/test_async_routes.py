@@ -158,6 +158,14 @@ def sse_events(response: httpx.Response) -> list[Any]:
     return [d for d in map(sse_data, response.text.split("\n\n")) if d is not None]
 
 
+def token_counts(server: ThreadServer) -> tuple[float, float]:
+    """The server's ``rollout_prompt_tokens_total`` and ``rollout_generated_tokens_total``."""
+    text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=30).text
+    values = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(("rollout_prompt_tokens_total ", "rollout_generated_tokens_total "))}
+    return values.get("rollout_prompt_tokens_total", 0.0), values.get("rollout_generated_tokens_total", 0.0)
+
+
 def stream(server: ThreadServer, path: str, body: dict[str, Any], timeout: float = 120) -> list[Any]:
     r = httpx.post(server.url + path, json=body, headers=server.headers, timeout=timeout)
     assert r.status_code == 200, r.text
@@ -225,12 +233,19 @@ def reassemble(deltas: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, 
 def test_stream_equals_generate_for_greedy(which, thread_server, scripted):
     server = thread_server if which == "transformers" else scripted
     body = {"prompt_token_ids": [[5, 6, 7], [8, 9]], "sampling": {**GREEDY, "n": 2}}
+    before = token_counts(server)
     outs = httpx.post(server.url + "/generate", json=body, headers=server.headers, timeout=120).json()
+    after_generate = token_counts(server)
     seqs = reassemble(stream(server, "/generate/stream", body))
+    after_stream = token_counts(server)
     assert len(seqs) == 4
     for c in outs:
         s = seqs[(c["prompt_index"], c["sample_index"])]
         assert s["token_ids"] == c["token_ids"] and s["finish_reason"] == c["finish_reason"]
+    # the metrics count a streamed request as they count the same request generated: each prompt once
+    generated = sum(len(c["token_ids"]) for c in outs)
+    assert [a - b for a, b in zip(after_generate, before, strict=True)] == [5, generated]
+    assert [a - b for a, b in zip(after_stream, after_generate, strict=True)] == [5, generated]
     deadline = time.monotonic() + 10  # counted once the response is complete, just after the client has it
     while 'rollout_requests_total{endpoint="/generate/stream",status="200"}' not in (
             httpx.get(server.url + "/metrics", headers=server.headers, timeout=30).text):
@@ -426,8 +441,11 @@ def test_openai_completion_chunks_reassemble(which, thread_server, scripted):
     server = thread_server if which == "transformers" else scripted
     body = {"prompt": ["The quick brown fox", "Hello"], "max_tokens": 10, "temperature": 0, "n": 2,
             "ignore_eos": True}
+    before = token_counts(server)
     plain = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=120).json()
+    after_plain = token_counts(server)
     chunks = stream(server, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    after_stream = token_counts(server)
     texts: dict[int, str] = {}
     finish: dict[int, str] = {}
     for ch in chunks[:-1]:
@@ -442,6 +460,13 @@ def test_openai_completion_chunks_reassemble(which, thread_server, scripted):
         assert finish[c["index"]] == c["finish_reason"]
     usage = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == plain["usage"]["completion_tokens"]
+    if which == "transformers":  # the scripted engine's prompt tokens are not its tokenizer's
+        assert usage["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    # the metrics count what each answer's usage reports, streamed or not
+    assert [a - b for a, b in zip(after_plain, before, strict=True)] == [plain["usage"]["prompt_tokens"],
+                                                                          plain["usage"]["completion_tokens"]]
+    assert [a - b for a, b in zip(after_stream, after_plain, strict=True)] == [usage["prompt_tokens"],
+                                                                                usage["completion_tokens"]]
 
 
 def test_openai_chat_chunks_reassemble(thread_server):

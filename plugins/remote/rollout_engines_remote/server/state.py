@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
 from rollout_engines.engine import Engine
-from rollout_engines.types import Completion, GenerateRequest
+from rollout_engines.tokenization import chat_token_ids
+from rollout_engines.types import Completion, GenerateRequest, StreamDelta
 from rollout_engines.weights.manifest import TransportSpec
 
 from ..metrics import ServerMetrics
@@ -52,6 +53,46 @@ class ServerState:
         m.generated_tokens.inc(sum(len(c.token_ids) for c in outs))
         for c in outs:
             m.completions.labels(c.finish_reason).inc()
+
+    def count_delta(self, delta: StreamDelta, prompt_ids: Sequence[int] | None = None) -> None:
+        """Add a streamed delta to the metrics; ``prompt_ids``, its prompt's tokens, comes with the
+        first delta of the prompt's first sample (so that a streamed prompt counts once, as a
+        generated one does)."""
+        m = self.metrics
+        if prompt_ids:
+            m.prompt_tokens.inc(len(prompt_ids))
+        m.generated_tokens.inc(len(delta.token_ids))
+        if delta.finish_reason is not None:
+            m.completions.labels(delta.finish_reason).inc()
+
+    def delta_counter(self, req: GenerateRequest) -> Callable[[StreamDelta], None]:
+        """``count_delta`` for each delta of ``req``'s stream, with each prompt's tokens (where the
+        server knows them) given once."""
+        counted: set[int] = set()
+
+        def count(delta: StreamDelta) -> None:
+            prompt = None
+            if delta.sample_index == 0 and delta.prompt_index not in counted:
+                counted.add(delta.prompt_index)
+                prompt = self.prompt_tokens_of(req, delta.prompt_index)
+            self.count_delta(delta, prompt)
+
+        return count
+
+    def prompt_tokens_of(self, req: GenerateRequest, i: int) -> list[int] | None:
+        """Prompt ``i`` of ``req`` as tokens where the server knows them without the engine
+        (token-id prompts; text prompts through the model's tokenizer); ``None`` where it does not."""
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids[i])
+        tok = self.get_limits().tokenizer
+        try:
+            if req.prompts is not None:
+                return list(tok(req.prompts[i])["input_ids"])
+            if req.messages is not None:
+                return chat_token_ids(tok, req.messages[i])
+        except Exception:  # no usable tokenizer or template: unknown
+            return None
+        return None
 
     async def generate(self, req: GenerateRequest, request: Request) -> list[Completion]:
         """Check ``req`` against the limits, generate (cancelled when the client disconnects), count."""

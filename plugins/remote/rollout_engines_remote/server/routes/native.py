@@ -41,14 +41,13 @@ def router(state: ServerState) -> APIRouter:
         state.get_limits().check(body)
         source = engine.stream(body)
         first = await first_item(request, source)
+        count = state.delta_counter(body)
 
         async def deltas() -> AsyncGenerator[bytes, None]:
             try:
                 delta: StreamDelta | None = first
                 while delta is not None:
-                    state.metrics.generated_tokens.inc(len(delta.token_ids))
-                    if delta.finish_reason is not None:
-                        state.metrics.completions.labels(delta.finish_reason).inc()
+                    count(delta)
                     yield event(delta.model_dump_json())
                     delta = await anext(source, None)
             finally:

@@ -24,7 +24,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import field_validator
-from rollout_engines.tokenization import chat_token_ids
 from rollout_engines.types import Completion, GenerateRequest, StreamDelta, TokenLogprob
 
 from ... import openai_api as oai
@@ -136,21 +135,6 @@ def router(state: ServerState) -> APIRouter:
         tok = state.get_limits().tokenizer
         return str(tok.decode(ids, skip_special_tokens=True))
 
-    def prompt_tokens_of(req: GenerateRequest, i: int) -> list[int] | None:
-        """Prompt ``i`` as tokens where the server knows them without the engine (token-id
-        prompts; text prompts through the model's tokenizer)."""
-        if req.prompt_token_ids is not None:
-            return list(req.prompt_token_ids[i])
-        tok = state.get_limits().tokenizer
-        try:
-            if req.prompts is not None:
-                return list(tok(req.prompts[i])["input_ids"])
-            if req.messages is not None:
-                return chat_token_ids(tok, req.messages[i])
-        except Exception:  # no usable tokenizer or template: unknown
-            return None
-        return None
-
     async def pieces(req: GenerateRequest) -> AsyncGenerator[Piece, None]:
         """The request's output as pieces, choice index = prompt_index * n + sample_index."""
         n = req.sampling.n
@@ -174,14 +158,12 @@ def router(state: ServerState) -> APIRouter:
                 if first:
                     texts[index] = oai.TextDelta(decode_ids, s.stop, s.stop_token_ids)
                 text = texts[index].push(d.token_ids, d.finish_reason)
-                state.metrics.generated_tokens.inc(len(d.token_ids))
                 usage = {"completion": len(d.token_ids)}
                 prompt_ids = None
                 if first:
-                    prompt_ids = prompt_tokens_of(req, d.prompt_index)
+                    prompt_ids = state.prompt_tokens_of(req, d.prompt_index)
                     usage["prompt"] = len(prompt_ids or ()) if d.sample_index == 0 else 0
-                if d.finish_reason is not None:
-                    state.metrics.completions.labels(d.finish_reason).inc()
+                state.count_delta(d, prompt_ids if first and d.sample_index == 0 else None)
                 d = clamp_delta(d)
                 yield Piece(index, text, list(d.token_ids), d.logprobs, d.top_logprobs, d.finish_reason,
                             prompt_ids, first=first, usage=usage)

@@ -356,14 +356,14 @@ def _make_router(state: ServerState) -> APIRouter:
             release(body.request_id, entry)
             raise
 
+        count = state.delta_counter(req)
+
         async def chunks() -> AsyncGenerator[bytes, None]:
             sent_prompt = False
             try:
                 delta: StreamDelta | None = first
                 while delta is not None:
-                    state.metrics.generated_tokens.inc(len(delta.token_ids))
-                    if delta.finish_reason is not None:
-                        state.metrics.completions.labels(delta.finish_reason).inc()
+                    count(delta)
                     chunk: dict[str, Any] = {
                         "request_id": body.request_id, "output_mode": "tokens",
                         "choices": [{"index": delta.sample_index, "token_ids": delta.token_ids,
