@@ -253,6 +253,20 @@ def test_stream_equals_generate_for_greedy(which, thread_server, scripted):
         time.sleep(0.05)
 
 
+def test_a_streamed_text_prompt_counts_its_tokens_as_a_generated_one(thread_server):
+    """Text prompts are tokenized by the engine; the server counts a streamed one's tokens itself
+    (in a thread), and its count equals the engine's for the same request generated."""
+    body = {"prompts": ["The quick brown fox", "Hello there"], "sampling": {**GREEDY, "n": 2}}
+    before = token_counts(thread_server)
+    outs = httpx.post(thread_server.url + "/generate", json=body, headers=thread_server.headers, timeout=120).json()
+    after_generate = token_counts(thread_server)
+    reassemble(stream(thread_server, "/generate/stream", body))
+    after_stream = token_counts(thread_server)
+    prompt_tokens = sum(len(c["prompt_token_ids"]) for c in outs if c["sample_index"] == 0)
+    assert prompt_tokens > 2
+    assert after_generate[0] - before[0] == after_stream[0] - after_generate[0] == prompt_tokens
+
+
 def test_stream_is_incremental(scripted):
     """Deltas arrive while the sequence is being made, not all at the end."""
     body = {"prompt_token_ids": [[5]], "sampling": {"max_tokens": 20}}

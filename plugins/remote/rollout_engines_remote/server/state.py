@@ -65,16 +65,19 @@ class ServerState:
         if delta.finish_reason is not None:
             m.completions.labels(delta.finish_reason).inc()
 
-    def delta_counter(self, req: GenerateRequest) -> Callable[[StreamDelta], None]:
+    def delta_counter(self, req: GenerateRequest) -> Callable[[StreamDelta], Awaitable[None]]:
         """``count_delta`` for each delta of ``req``'s stream, with each prompt's tokens (where the
-        server knows them) given once."""
+        server knows them) given once; a text prompt is tokenized in a thread, off the event loop."""
         counted: set[int] = set()
 
-        def count(delta: StreamDelta) -> None:
+        async def count(delta: StreamDelta) -> None:
             prompt = None
             if delta.sample_index == 0 and delta.prompt_index not in counted:
                 counted.add(delta.prompt_index)
-                prompt = self.prompt_tokens_of(req, delta.prompt_index)
+                if req.prompt_token_ids is not None:
+                    prompt = req.prompt_token_ids[delta.prompt_index]
+                else:
+                    prompt = await asyncio.to_thread(self.prompt_tokens_of, req, delta.prompt_index)
             self.count_delta(delta, prompt)
 
         return count

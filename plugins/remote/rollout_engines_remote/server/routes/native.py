@@ -47,7 +47,7 @@ def router(state: ServerState) -> APIRouter:
             try:
                 delta: StreamDelta | None = first
                 while delta is not None:
-                    count(delta)
+                    await count(delta)
                     yield event(delta.model_dump_json())
                     delta = await anext(source, None)
             finally:

@@ -363,7 +363,7 @@ def _make_router(state: ServerState) -> APIRouter:
             try:
                 delta: StreamDelta | None = first
                 while delta is not None:
-                    count(delta)
+                    await count(delta)
                     chunk: dict[str, Any] = {
                         "request_id": body.request_id, "output_mode": "tokens",
                         "choices": [{"index": delta.sample_index, "token_ids": delta.token_ids,
