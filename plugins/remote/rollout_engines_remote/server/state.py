@@ -69,18 +69,29 @@ class ServerState:
         """``count_delta`` for each delta of ``req``'s stream, with each prompt's tokens (where the
         server knows them) given once; a text prompt is tokenized in a thread, off the event loop."""
         counted: set[int] = set()
+        read = self.prompt_reader(req)
 
         async def count(delta: StreamDelta) -> None:
             prompt = None
             if delta.sample_index == 0 and delta.prompt_index not in counted:
                 counted.add(delta.prompt_index)
-                if req.prompt_token_ids is not None:
-                    prompt = req.prompt_token_ids[delta.prompt_index]
-                else:
-                    prompt = await asyncio.to_thread(self.prompt_tokens_of, req, delta.prompt_index)
+                prompt = await read(delta.prompt_index)
             self.count_delta(delta, prompt)
 
         return count
+
+    def prompt_reader(self, req: GenerateRequest) -> Callable[[int], Awaitable[list[int] | None]]:
+        """``prompt_tokens_of(req, i)`` for a stream's deltas: each prompt read once (a prompt's
+        ``n`` samples share it), a text prompt tokenized in a thread, off the event loop."""
+        known: dict[int, list[int] | None] = {}
+
+        async def read(i: int) -> list[int] | None:
+            if i not in known:
+                known[i] = (list(req.prompt_token_ids[i]) if req.prompt_token_ids is not None
+                            else await asyncio.to_thread(self.prompt_tokens_of, req, i))
+            return known[i]
+
+        return read
 
     def prompt_tokens_of(self, req: GenerateRequest, i: int) -> list[int] | None:
         """Prompt ``i`` of ``req`` as tokens where the server knows them without the engine

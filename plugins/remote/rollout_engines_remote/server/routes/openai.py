@@ -150,6 +150,7 @@ def router(state: ServerState) -> APIRouter:
             return
         texts: dict[int, oai.TextDelta] = {}
         s = req.sampling
+        read_prompt = state.prompt_reader(req)
         source = engine.stream(req)
         try:
             async for d in source:
@@ -161,7 +162,7 @@ def router(state: ServerState) -> APIRouter:
                 usage = {"completion": len(d.token_ids)}
                 prompt_ids = None
                 if first:
-                    prompt_ids = state.prompt_tokens_of(req, d.prompt_index)
+                    prompt_ids = await read_prompt(d.prompt_index)
                     usage["prompt"] = len(prompt_ids or ()) if d.sample_index == 0 else 0
                 state.count_delta(d, prompt_ids if first and d.sample_index == 0 else None)
                 d = clamp_delta(d)
