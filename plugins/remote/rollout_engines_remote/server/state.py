@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -38,6 +39,7 @@ class ServerState:
         self.auth = bool(api_key)
         self.weights_root = weights_root
         self.protocols = protocols
+        self._tokenizing = threading.Lock()
         #: One adapter load or unload at a time (a name's version is read, then bumped).
         self.lora_lock = asyncio.Lock()
 
@@ -100,10 +102,11 @@ class ServerState:
             return list(req.prompt_token_ids[i])
         tok = self.get_limits().tokenizer
         try:
-            if req.prompts is not None:
-                return list(tok(req.prompts[i])["input_ids"])
-            if req.messages is not None:
-                return chat_token_ids(tok, req.messages[i])
+            with self._tokenizing:  # one call at a time: a fast tokenizer is not safe to share between threads
+                if req.prompts is not None:
+                    return list(tok(req.prompts[i])["input_ids"])
+                if req.messages is not None:
+                    return chat_token_ids(tok, req.messages[i])
         except Exception:  # no usable tokenizer or template: unknown
             return None
         return None
