@@ -16,7 +16,8 @@ device reports the released bytes free (and how long until it does), then maps a
 ``--after-pause`` follows a refit's order: memory mapped right after a release (or after a rest)
 stays mapped P seconds, then is released and mapped again at once; with ``--kv-mb M`` the same
 rounds run again with M MiB of KV cache in one allocation per layer, mapped after the weights and
-released right after them, as a vLLM engine's wake-ups and sleep do (the weights' mapping is timed).
+released right after them, as a vLLM engine's wake-ups and sleep do (the weights' mapping is timed);
+``--free-gb G`` runs them once more with the device filled but for G GB beyond what they map.
 Needs a CUDA GPU; prints one JSON line.
 
     python benchmarks/vmm_wake.py --shape qwen3-14b
@@ -287,6 +288,12 @@ def after_pause(allocations: Sequence[Allocation], drv: Driver, repeats: int, pa
     return out
 
 
+def filler_bytes(free: int, need: int, keep: int) -> int:
+    """How many bytes to allocate so that, of ``free`` bytes, ``need`` and ``keep`` more stay free
+    (0 where not even that many are free)."""
+    return max(0, free - need - keep)
+
+
 def kv_sizes(shape: str, total: int) -> list[int]:
     """``total`` bytes of KV cache as one allocation per layer of ``shape`` (vLLM's layout: one KV
     tensor per attention layer), each rounded up to the driver's granularity."""
@@ -323,9 +330,15 @@ def main() -> None:
                         help="with --after-pause: run its rounds again with this many MiB of KV cache, one "
                         "allocation per layer, mapped after the weights and released right after them (as a "
                         "vLLM engine's wake-ups and sleep do)")
+    parser.add_argument("--free-gb", type=float, default=None,
+                        help="with --after-pause: run its rounds once more (with the --kv-mb cache, if given) with the "
+                        "device filled but for this many GB beyond what they map, as a colocated trainer and engine "
+                        "keep it")
     args = parser.parse_args()
     if args.kv_mb < 0 or (args.kv_mb and not args.after_pause):
         parser.error("--kv-mb takes a size in MiB >= 0, and only with --after-pause")
+    if args.free_gb is not None and (args.free_gb < 0 or not args.after_pause):
+        parser.error("--free-gb takes a size in GB >= 0, and only with --after-pause")
     import torch
 
     torch.zeros(1, device="cuda")  # the primary context, current in this thread
@@ -401,6 +414,8 @@ def main() -> None:
         pauses = [float(p) for p in args.after_pause.split(",") if p]
         out["after_pause_map_ms"] = after_pause(allocations, drv, args.repeats, pauses, map_allocations, touch,
                                                 release)
+        kv: list[Allocation] = []
+        rounds: tuple[Any, Any] = (release, None)
         if args.kv_mb:
             kv, _kv_slots = reserve(kv_sizes(args.shape, args.kv_mb << 20), device, drv)
 
@@ -411,13 +426,25 @@ def main() -> None:
                     drv.unmap_and_release(allocation)
                 return time.perf_counter() - t0
 
+            rounds = (release_both, lambda: map_allocations(kv, 1, drv))
             out["kv_allocations"] = len(kv)
             out["kv_bytes"] = sum(a[1] for a in kv)
             out["after_pause_with_kv_map_ms"] = after_pause(allocations, drv, args.repeats, pauses, map_allocations,
-                                                            touch, release_both,
-                                                            lambda: map_allocations(kv, 1, drv))
-            for _, size, ptr, _ in kv:
-                drv.free_range(ptr, size)
+                                                            touch, *rounds)
+        if args.free_gb is not None:  # the device as full as a colocated trainer and engine keep it
+            need = total + sum(a[1] for a in kv)
+            fill = filler_bytes(torch.cuda.mem_get_info()[0], need, int(args.free_gb * 1e9))
+            filler = torch.empty(fill, dtype=torch.uint8, device="cuda")
+            filler.fill_(1)
+            torch.cuda.synchronize()
+            out["filler_bytes"] = fill
+            out["free_beyond_need_gb"] = round((torch.cuda.mem_get_info()[0] - need) / 1e9, 3)
+            out["after_pause_full_device_map_ms"] = after_pause(allocations, drv, args.repeats, pauses,
+                                                                map_allocations, touch, *rounds)
+            del filler
+            torch.cuda.empty_cache()
+        for _, size, ptr, _ in kv:
+            drv.free_range(ptr, size)
     out["release_median_ms"] = round(statistics.median(releases) * 1e3, 2)
     one = runs.get("1", {}).get("median_ms")
     if one:

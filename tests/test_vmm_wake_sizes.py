@@ -122,10 +122,20 @@ def test_after_pause_with_kv_maps_it_after_the_weights_untimed_and_releases_both
     assert all(times == [1e3] for times in out.values())  # one clock tick: the weights' mapping alone
 
 
-@pytest.mark.parametrize("argv", [["--kv-mb", "4096"], ["--after-pause", "0", "--kv-mb", "-1"]])
-def test_kv_mb_is_refused_without_after_pause_or_below_zero(monkeypatch, capsys, argv):
+@pytest.mark.parametrize("argv, says", [
+    (["--kv-mb", "4096"], "--kv-mb takes a size in MiB >= 0, and only with --after-pause"),
+    (["--after-pause", "0", "--kv-mb", "-1"], "--kv-mb takes a size in MiB >= 0, and only with --after-pause"),
+    (["--free-gb", "1"], "--free-gb takes a size in GB >= 0, and only with --after-pause"),
+    (["--after-pause", "0", "--free-gb", "-0.5"], "--free-gb takes a size in GB >= 0, and only with --after-pause"),
+])
+def test_kv_mb_and_free_gb_are_refused_without_after_pause_or_below_zero(monkeypatch, capsys, argv, says):
     monkeypatch.setattr(sys, "argv", ["vmm_wake.py", *argv])
     with pytest.raises(SystemExit) as exc:
         vmm_wake.main()
     assert exc.value.code == 2
-    assert "--kv-mb takes a size in MiB >= 0, and only with --after-pause" in capsys.readouterr().err
+    assert says in capsys.readouterr().err
+
+
+def test_filler_leaves_what_the_rounds_map_and_the_margin_free():
+    assert vmm_wake.filler_bytes(free=80 << 30, need=30 << 30, keep=1 << 30) == 49 << 30
+    assert vmm_wake.filler_bytes(free=30 << 30, need=30 << 30, keep=1 << 30) == 0  # never negative
