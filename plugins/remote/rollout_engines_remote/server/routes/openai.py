@@ -164,7 +164,7 @@ def router(state: ServerState) -> APIRouter:
                 if first:
                     prompt_ids = await read_prompt(d.prompt_index)
                     usage["prompt"] = len(prompt_ids or ()) if d.sample_index == 0 else 0
-                state.count_delta(d, prompt_ids if first and d.sample_index == 0 else None)
+                state.count_delta(d, prompt_ids if d.sample_index == 0 else None)  # None after the first delta
                 d = clamp_delta(d)
                 yield Piece(index, text, list(d.token_ids), d.logprobs, d.top_logprobs, d.finish_reason,
                             prompt_ids, first=first, usage=usage)
