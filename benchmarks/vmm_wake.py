@@ -17,7 +17,8 @@ device reports the released bytes free (and how long until it does), then maps a
 stays mapped P seconds, then is released and mapped again at once; with ``--kv-mb M`` the same
 rounds run again with M MiB of KV cache in one allocation per layer, mapped after the weights and
 released right after them, as a vLLM engine's wake-ups and sleep do (the weights' mapping is timed);
-``--free-gb G`` runs them once more with the device filled but for G GB beyond what they map.
+``--free-gb G`` runs them once more with the device filled but for G GB beyond what they map, and
+then the ``--delays`` rounds on that full device (does a rest after the release help there too?).
 Needs a CUDA GPU; prints one JSON line.
 
     python benchmarks/vmm_wake.py --shape qwen3-14b
@@ -288,6 +289,37 @@ def after_pause(allocations: Sequence[Allocation], drv: Driver, repeats: int, pa
     return out
 
 
+def delay_rounds(allocations: Sequence[Allocation], drv: Driver, repeats: int, delays: Sequence[float],
+                 map_all: Any, touch: Any, release: Any, map_rest: Any = None,
+                 releases: list[float] | None = None) -> dict[str, list[float]]:
+    """Per delay D, ``repeats`` rounds that start with the memory released: wait D seconds, map
+    ``allocations`` (timed; ``map_rest`` follows, untimed), touch, release. The milliseconds of
+    each timed mapping by delay; each release's seconds go to ``releases`` where given."""
+    out: dict[str, list[float]] = {}
+    for delay in delays:
+        for _ in range(repeats):
+            time.sleep(delay)
+            synchronize()
+            t0 = time.perf_counter()
+            map_all(allocations, 1, drv)
+            out.setdefault(str(delay), []).append(round((time.perf_counter() - t0) * 1e3, 2))
+            if map_rest is not None:
+                map_rest()
+            touch()
+            seconds = release()
+            if releases is not None:
+                releases.append(seconds)
+    return out
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work (nothing to wait for without CUDA)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def filler_bytes(free: int, need: int, keep: int) -> int:
     """How many bytes to allocate so that, of ``free`` bytes, ``need`` and ``keep`` more stay free
     (0 where not even that many are free)."""
@@ -397,17 +429,9 @@ def main() -> None:
                               "gbps": round(total / med / 1e9, 1)}
         print(f"threads={threads} {runs[str(threads)]}", flush=True)
     out["map"] = runs
-    delays: dict[str, list[float]] = {}
-    for delay in [float(d) for d in args.delays.split(",") if d]:
-        for _ in range(args.repeats):
-            time.sleep(delay)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            map_allocations(allocations, 1, drv)
-            delays.setdefault(str(delay), []).append(round((time.perf_counter() - t0) * 1e3, 2))
-            touch()
-            releases.append(release())
-    out["delay_s_to_map_ms"] = delays
+    delays = [float(d) for d in args.delays.split(",") if d]
+    out["delay_s_to_map_ms"] = delay_rounds(allocations, drv, args.repeats, delays, map_allocations, touch,
+                                            release, releases=releases)
     if args.settle:
         out["settle"] = settle(allocations, drv, args.repeats, map_allocations, touch, release)
     if args.after_pause:
@@ -440,6 +464,10 @@ def main() -> None:
             out["filler_bytes"] = fill
             out["free_beyond_need_gb"] = round((torch.cuda.mem_get_info()[0] - need) / 1e9, 3)
             out["after_pause_full_device_map_ms"] = after_pause(allocations, drv, args.repeats, pauses,
+                                                                map_allocations, touch, *rounds)
+            # and with a rest between the release and the mapping (a trainer's step between a sleep
+            # and a wake-up): does the full device's memory come back fast after a rest?
+            out["full_device_delay_s_to_map_ms"] = delay_rounds(allocations, drv, args.repeats, delays,
                                                                 map_allocations, touch, *rounds)
             del filler
             torch.cuda.empty_cache()

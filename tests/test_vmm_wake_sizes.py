@@ -139,3 +139,39 @@ def test_kv_mb_and_free_gb_are_refused_without_after_pause_or_below_zero(monkeyp
 def test_filler_leaves_what_the_rounds_map_and_the_margin_free():
     assert vmm_wake.filler_bytes(free=80 << 30, need=30 << 30, keep=1 << 30) == 49 << 30
     assert vmm_wake.filler_bytes(free=30 << 30, need=30 << 30, keep=1 << 30) == 0  # never negative
+
+
+def test_delay_rounds_wait_then_time_the_weights_mapping_alone_and_release_both(monkeypatch):
+    """``--delays`` rounds (and, with ``--free-gb``, the same on the full device), over a fake driver:
+    each round starts with the memory released, waits its delay, maps (timed: the weights alone; the
+    KV cache's mapping follows outside the timed span) and releases both."""
+    state = {"weights": False, "kv": False, "events": []}
+    monkeypatch.setattr(vmm_wake.time, "sleep", lambda s: state["events"].append(("sleep", s)))
+    clock = iter(range(1000))
+    monkeypatch.setattr(vmm_wake.time, "perf_counter", lambda: float(next(clock)))
+
+    def map_all(allocations, threads, drv):
+        assert not state["weights"] and not state["kv"] and threads == 1
+        state["weights"] = True
+        state["events"].append("map")
+
+    def map_kv():
+        assert state["weights"] and not state["kv"]
+        state["kv"] = True
+        state["events"].append("map kv")
+        next(clock)  # the KV mapping's time, were it inside the timed span
+
+    def release():
+        assert state["weights"] and state["kv"]
+        state["weights"] = state["kv"] = False
+        state["events"].append("release both")
+        return 0.25
+
+    releases = []
+    out = vmm_wake.delay_rounds([(0, 2 << 20, 0, 0)], None, 2, [0.0, 0.5], map_all, lambda: None, release,
+                                map_kv, releases=releases)
+    assert out == {"0.0": [1e3, 1e3], "0.5": [1e3, 1e3]}  # one clock tick each: the weights' mapping
+    assert releases == [0.25] * 4
+    assert not state["weights"] and not state["kv"]
+    assert state["events"][-4:] == [("sleep", 0.5), "map", "map kv", "release both"]
+    assert [e for e in state["events"] if isinstance(e, tuple)] == [("sleep", 0.0)] * 2 + [("sleep", 0.5)] * 2
