@@ -18,7 +18,9 @@ stays mapped P seconds, then is released and mapped again at once; with ``--kv-m
 rounds run again with M MiB of KV cache in one allocation per layer, mapped after the weights and
 released right after them, as a vLLM engine's wake-ups and sleep do (the weights' mapping is timed);
 ``--free-gb G`` runs them once more with the device filled but for G GB beyond what they map, and
-then the ``--delays`` rounds on that full device (does a rest after the release help there too?).
+then the ``--delays`` rounds on that full device (does a rest after the release help there too?),
+and those rounds again with a trainer's step before each wait: the memory the release gave back
+taken by one tensor and freed (is memory a trainer has just freed as slow to map again?).
 Needs a CUDA GPU; prints one JSON line.
 
     python benchmarks/vmm_wake.py --shape qwen3-14b
@@ -291,13 +293,16 @@ def after_pause(allocations: Sequence[Allocation], drv: Driver, repeats: int, pa
 
 def delay_rounds(allocations: Sequence[Allocation], drv: Driver, repeats: int, delays: Sequence[float],
                  map_all: Any, touch: Any, release: Any, map_rest: Any = None,
-                 releases: list[float] | None = None) -> dict[str, list[float]]:
-    """Per delay D, ``repeats`` rounds that start with the memory released: wait D seconds, map
-    ``allocations`` (timed; ``map_rest`` follows, untimed), touch, release. The milliseconds of
-    each timed mapping by delay; each release's seconds go to ``releases`` where given."""
+                 releases: list[float] | None = None, before: Any = None) -> dict[str, list[float]]:
+    """Per delay D, ``repeats`` rounds that start with the memory released: ``before()`` where given
+    (a trainer's step in the memory just released), wait D seconds, map ``allocations`` (timed;
+    ``map_rest`` follows, untimed), touch, release. The milliseconds of each timed mapping by delay;
+    each release's seconds go to ``releases`` where given."""
     out: dict[str, list[float]] = {}
     for delay in delays:
         for _ in range(repeats):
+            if before is not None:
+                before()
             time.sleep(delay)
             synchronize()
             t0 = time.perf_counter()
@@ -469,6 +474,19 @@ def main() -> None:
             # and a wake-up): does the full device's memory come back fast after a rest?
             out["full_device_delay_s_to_map_ms"] = delay_rounds(allocations, drv, args.repeats, delays,
                                                                 map_allocations, touch, *rounds)
+
+            def trainer_step() -> None:  # the trainer takes the memory the sleep gave back, then frees it
+                step = torch.empty(need, dtype=torch.uint8, device="cuda")
+                step.fill_(2)
+                torch.cuda.synchronize()
+                del step
+                torch.cuda.empty_cache()
+
+            # a colocated loop: the engine sleeps, the trainer trains in what it released and frees
+            # that memory, and the engine wakes D seconds later
+            out["full_device_after_trainer_map_ms"] = delay_rounds(allocations, drv, args.repeats, delays,
+                                                                   map_allocations, touch, *rounds,
+                                                                   before=trainer_step)
             del filler
             torch.cuda.empty_cache()
         for _, size, ptr, _ in kv:
