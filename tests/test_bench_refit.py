@@ -74,6 +74,19 @@ def test_bench_refit_idles_between_sleep_and_wake_up(tiny_model):
     assert result["median_s"]["wake_weights"] < 0.15 and result["first_cycle_s"]["wake_weights"] < 0.15
 
 
+def test_bench_refit_runs_a_trainer_step_in_the_memory_each_sleep_freed(tiny_model):
+    """``--trainer-step``: after each sleep a trainer's step takes memory (without a GPU, the
+    weights' bytes), writes it and frees it, outside the timed phases; every push still lands."""
+    proc = _bench("--model", str(tiny_model), "--cycles", "2", "--trainer-step")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["trainer_step"] is True
+    assert result["trainer_step_gb"] == round(result["bytes"] / 1e9, 3) > 0
+    assert result["verified"] is True and result["pushes_verified"] == [True, True]
+    plain = json.loads(_bench("--model", str(tiny_model), "--cycles", "1").stdout.strip().splitlines()[-1])
+    assert plain["trainer_step"] is False and plain["trainer_step_gb"] is None
+
+
 def test_bench_refit_serves_between_cycles(tiny_model):
     """``--serve-s``: the engine stays awake before each cycle's sleep (the rollouts between two
     refits), outside the timed phases; the run takes at least that long per cycle, every push still

@@ -11,6 +11,11 @@ untimed, between each cycle's sleep and its wake-up, as the trainer's step does;
 waits, untimed, with the engine awake before each cycle's sleep, as the rollouts between two
 refits do. Without them the cycles run back to back, which no trainer does: on a GPU, memory
 mapped again right after it was released maps more slowly (``benchmarks/RESULTS.md``).
+``--trainer-step`` puts a trainer's use of the memory into each cycle, untimed, right after the
+sleep: one tensor takes what the sleep freed (on a GPU, the bytes the device reported freed, less
+512 MiB of slack; elsewhere, the weights' bytes), is written, and is freed again
+(``torch.cuda.empty_cache()`` on a GPU); ``--idle-s`` then follows. With ``--idle-s 0`` the
+wake-up maps memory the trainer freed a moment before, the case the driver maps slowest.
 
 The weight-sync session is opened once, before the first cycle, as a trainer does, and
 ``--warmup`` untimed pushes (4, alternating the two weight sets as the cycles do) go first: a
@@ -57,6 +62,8 @@ from .common import (
 )
 
 PHASES = ("sleep", "wake_weights", "push", "wake_kv", "push_and_kv", "first_token", "refit")
+#: What ``--trainer-step`` leaves of the memory a sleep freed, for the allocator's rounding.
+TRAINER_SLACK = 512 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve-s", type=seconds_type("--serve-s"), default=0.0, metavar="SECONDS",
                         help="seconds the engine stays awake before each cycle's sleep, untimed: the rollouts "
                         "between two refits")
+    parser.add_argument("--trainer-step", action="store_true",
+                        help="after each sleep, untimed: take the memory the sleep freed in one tensor, write "
+                        "it and free it (torch.cuda.empty_cache() on a GPU), as a trainer's step does; "
+                        "--idle-s follows it")
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -93,6 +104,7 @@ def run(args: Any) -> dict[str, Any]:
     warmup = max(0, int(arg(args, "warmup", WARMUP_PUSHES)))
     level = int(arg(args, "level", 2))
     overlap = bool(arg(args, "overlap_kv", False))
+    trainer_step = bool(arg(args, "trainer_step", False))
     try:
         caps = engine.capabilities
         if level not in caps.sleep_levels:
@@ -133,6 +145,20 @@ def run(args: Any) -> dict[str, Any]:
         def free_bytes() -> int:
             return int(torch.cuda.mem_get_info()[0]) if gpu else 0
 
+        #: Bytes each cycle's trainer step took (``--trainer-step``).
+        stepped: list[int] = []
+
+        def train_in(freed_bytes: int) -> None:
+            """A trainer's step in the memory the sleep freed: one tensor written, then freed."""
+            size = max(0, freed_bytes - TRAINER_SLACK) if gpu else weights.total_bytes
+            step = torch.empty(size, dtype=torch.uint8, device="cuda" if gpu else "cpu")
+            step.fill_(1)
+            sync_device()
+            del step
+            if gpu:
+                torch.cuda.empty_cache()
+            stepped.append(size)
+
         async def go() -> tuple[list[dict[str, float]], list[bool]]:
             workers.extend((await engine.info()).extra.get("workers") or [])
             start_print = await fingerprint()
@@ -152,6 +178,8 @@ def run(args: Any) -> dict[str, Any]:
                     before = free_bytes()
                     await timed("sleep", row, engine.sleep(level=level))
                     at_sleep = free_bytes()
+                    if trainer_step:
+                        train_in(at_sleep - before)  # untimed: the trainer's use of the memory
                     if idle_s:
                         await asyncio.sleep(idle_s)  # untimed: the trainer's step
                     if gpu:
@@ -194,6 +222,9 @@ def run(args: Any) -> dict[str, Any]:
         "overlap_kv": overlap,
         "idle_s": idle_s,
         "serve_s": serve_s,
+        "trainer_step": trainer_step,
+        # GB each cycle's trainer step took and freed (median of cycles 2..N); None without the step
+        "trainer_step_gb": _freed_gb(stepped[1:] or stepped),
         "cycles": cycles,
         "warmup_pushes": warmup,
         "bytes": weights.total_bytes,
