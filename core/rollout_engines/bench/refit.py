@@ -224,7 +224,7 @@ def run(args: Any) -> dict[str, Any]:
         "serve_s": serve_s,
         "trainer_step": trainer_step,
         # GB each cycle's trainer step took and freed (median of cycles 2..N); None without the step
-        "trainer_step_gb": _freed_gb(stepped[1:] or stepped),
+        "trainer_step_gb": _median_gb(stepped[1:] or stepped),
         "cycles": cycles,
         "warmup_pushes": warmup,
         "bytes": weights.total_bytes,
@@ -248,10 +248,10 @@ def run(args: Any) -> dict[str, Any]:
         "engine_workers": workers,
         # GB the device reported freed by the sleep (median of cycles 2..N): right after it
         # returned, and right before the wake-up; None without a GPU
-        "sleep_freed_gb": _freed_gb([f[0] for f in freed[1:] or freed]),
-        "freed_at_wake_gb": _freed_gb([f[1] for f in freed[1:] or freed]),
+        "sleep_freed_gb": _median_gb([f[0] for f in freed[1:] or freed]),
+        "freed_at_wake_gb": _median_gb([f[1] for f in freed[1:] or freed]),
     }
 
 
-def _freed_gb(values: list[int]) -> float | None:
+def _median_gb(values: list[int]) -> float | None:
     return round(statistics.median(values) / 1e9, 3) if values else None
