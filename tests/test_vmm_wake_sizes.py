@@ -11,6 +11,37 @@ from repo_scripts import load_script
 vmm_wake = load_script("benchmarks/vmm_wake.py")
 
 
+class _WeightsAndKv:
+    """A fake driver (no GPU here) for the weights and a KV cache: it keeps what is mapped, checks
+    that the weights are mapped before the KV cache and that a release gives back both, logs each
+    call (and ``time.sleep``), and moves a fake clock one tick per ``perf_counter`` call (one more
+    inside each KV mapping, so a timed span that held one would show it)."""
+
+    def __init__(self, monkeypatch, release_s=0.0):
+        self.state = {"weights": False, "kv": False, "events": []}
+        self.release_s = release_s
+        self.clock = iter(range(1000))
+        monkeypatch.setattr(vmm_wake.time, "sleep", lambda s: self.state["events"].append(("sleep", s)))
+        monkeypatch.setattr(vmm_wake.time, "perf_counter", lambda: float(next(self.clock)))
+
+    def map_all(self, allocations, threads, drv):
+        assert not self.state["weights"] and not self.state["kv"] and threads == 1
+        self.state["weights"] = True
+        self.state["events"].append("map")
+
+    def map_kv(self):
+        assert self.state["weights"] and not self.state["kv"]
+        self.state["kv"] = True
+        self.state["events"].append("map kv")
+        next(self.clock)
+
+    def release(self):
+        assert self.state["weights"] and self.state["kv"]
+        self.state["weights"] = self.state["kv"] = False
+        self.state["events"].append("release both")
+        return self.release_s
+
+
 def test_the_14b_shape_has_its_weights_allocations_at_the_driver_granularity():
     sizes = vmm_wake.allocation_sizes("qwen3-14b")
     assert len(sizes) == 163  # 2 embeddings, 4 fused matrices a layer, the small tensors' 2 MiB blocks
@@ -91,28 +122,9 @@ def test_kv_sizes_give_one_allocation_per_layer_holding_at_least_the_bytes_asked
 
 def test_after_pause_with_kv_maps_it_after_the_weights_untimed_and_releases_both(monkeypatch):
     """``--kv-mb``: every mapping of the weights is followed by the KV cache's, outside the timed
-    call, and every release gives back both (fake driver, as above)."""
-    state = {"weights": False, "kv": False, "events": []}
-    monkeypatch.setattr(vmm_wake.time, "sleep", lambda s: state["events"].append(("sleep", s)))
-    clock = iter(range(1000))
-    monkeypatch.setattr(vmm_wake.time, "perf_counter", lambda: float(next(clock)))
-
-    def map_all(allocations, threads, drv):
-        assert not state["weights"] and not state["kv"]
-        state["weights"] = True
-        state["events"].append("map")
-
-    def map_kv():
-        assert state["weights"] and not state["kv"]
-        state["kv"] = True
-        state["events"].append("map kv")
-        next(clock)  # time the KV mapping would take, if it were inside the timed span
-
-    def release():
-        assert state["weights"] and state["kv"]
-        state["weights"] = state["kv"] = False
-        state["events"].append("release both")
-        return 0.0
+    call, and every release gives back both (`_WeightsAndKv`, a fake driver)."""
+    fake = _WeightsAndKv(monkeypatch)
+    state, map_all, map_kv, release = fake.state, fake.map_all, fake.map_kv, fake.release
 
     out = vmm_wake.after_pause([(0, 2 << 20, 0, 0)], None, 1, [0.0], map_all, lambda: None, release, map_kv)
     assert not state["weights"] and not state["kv"]
@@ -145,27 +157,8 @@ def test_delay_rounds_wait_then_time_the_weights_mapping_alone_and_release_both(
     """``--delays`` rounds (and, with ``--free-gb``, the same on the full device), over a fake driver:
     each round starts with the memory released, waits its delay, maps (timed: the weights alone; the
     KV cache's mapping follows outside the timed span) and releases both."""
-    state = {"weights": False, "kv": False, "events": []}
-    monkeypatch.setattr(vmm_wake.time, "sleep", lambda s: state["events"].append(("sleep", s)))
-    clock = iter(range(1000))
-    monkeypatch.setattr(vmm_wake.time, "perf_counter", lambda: float(next(clock)))
-
-    def map_all(allocations, threads, drv):
-        assert not state["weights"] and not state["kv"] and threads == 1
-        state["weights"] = True
-        state["events"].append("map")
-
-    def map_kv():
-        assert state["weights"] and not state["kv"]
-        state["kv"] = True
-        state["events"].append("map kv")
-        next(clock)  # the KV mapping's time, were it inside the timed span
-
-    def release():
-        assert state["weights"] and state["kv"]
-        state["weights"] = state["kv"] = False
-        state["events"].append("release both")
-        return 0.25
+    fake = _WeightsAndKv(monkeypatch, release_s=0.25)
+    state, map_all, map_kv, release = fake.state, fake.map_all, fake.map_kv, fake.release
 
     releases = []
     out = vmm_wake.delay_rounds([(0, 2 << 20, 0, 0)], None, 2, [0.0, 0.5], map_all, lambda: None, release,
