@@ -181,7 +181,7 @@ def run(args: Any) -> dict[str, Any]:
                     if trainer_step:
                         train_in(at_sleep - before)  # untimed: the trainer's use of the memory
                     if idle_s:
-                        await asyncio.sleep(idle_s)  # untimed: the trainer's step
+                        await asyncio.sleep(idle_s)  # untimed: the (rest of the) trainer's step
                     if gpu:
                         freed.append((at_sleep - before, free_bytes() - before))
                     await timed("wake_weights", row, engine.wake_up(tags=["weights"]))
