@@ -172,26 +172,15 @@ def test_delay_rounds_wait_then_time_the_weights_mapping_alone_and_release_both(
 
 def test_delay_rounds_run_the_trainers_step_in_the_released_memory_before_each_wait(monkeypatch):
     """``--free-gb``'s trainer rounds: each starts with the engine's memory released, runs the
-    trainer's step, then waits, maps (timed) and releases."""
-    events = []
-    monkeypatch.setattr(vmm_wake.time, "sleep", lambda s: events.append(("sleep", s)))
-    mapped = []
-
-    def map_all(allocations, threads, drv):
-        assert not mapped
-        mapped.append(1)
-        events.append("map")
-
-    def release():
-        mapped.pop()
-        events.append("release")
-        return 0.0
+    trainer's step, then waits, maps (timed) and releases (`_WeightsAndKv`, a fake driver)."""
+    fake = _WeightsAndKv(monkeypatch)
+    state = fake.state
 
     def trainer():
-        assert not mapped  # the trainer runs only in memory the engine released
-        events.append("trainer")
+        assert not state["weights"] and not state["kv"]  # the trainer runs only in memory the engine released
+        state["events"].append("trainer")
 
-    out = vmm_wake.delay_rounds([(0, 2 << 20, 0, 0)], None, 2, [0.5], map_all, lambda: None, release,
-                                before=trainer)
+    out = vmm_wake.delay_rounds([(0, 2 << 20, 0, 0)], None, 2, [0.5], fake.map_all, lambda: None, fake.release,
+                                fake.map_kv, before=trainer)
     assert len(out["0.5"]) == 2
-    assert events == ["trainer", ("sleep", 0.5), "map", "release"] * 2
+    assert state["events"] == ["trainer", ("sleep", 0.5), "map", "map kv", "release both"] * 2
