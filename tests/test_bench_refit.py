@@ -63,22 +63,6 @@ def test_bench_refit_overlapping_the_kv_wake_up(tiny_model):
     assert med["push_and_kv"] >= max(med["push"], med["wake_kv"]) - 1e-5
 
 
-def test_bench_refit_waking_the_weights_with_the_push(tiny_model):
-    """``--wake-with-push``: no wake-up of the weights of its own; each push wakes them
-    (``push(wake=True)``) and every push still lands (verified)."""
-    proc = _bench("--model", str(tiny_model), "--cycles", "3", "--wake-with-push")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["wake_with_push"] is True
-    assert all(result[k]["wake_weights"] == 0 for k in ("median_s", "p90_s", "first_cycle_s"))
-    med = result["median_s"]
-    assert med["refit"] == pytest.approx(med["push"] + med["wake_kv"], abs=1e-5)
-    assert result["verified"] is True and result["pushes_verified"] == [True, True, True, True]
-    assert result["wake_map_s"] is None  # the transformers engine wakes its weights first, and says nothing
-    proc = _bench("--model", str(tiny_model), "--wake-with-push", "--overlap-kv")
-    assert proc.returncode != 0 and "do not go together" in proc.stderr
-
-
 def test_bench_refit_idles_between_sleep_and_wake_up(tiny_model):
     """``--idle-s``: each cycle waits between its sleep and its wake-up (the trainer's step), outside
     the timed phases; every push still lands."""

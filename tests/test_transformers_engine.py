@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 from rollout_engines import (
-    EngineAsleep,
     EngineClosed,
     EngineConfig,
     GenerateRequest,
@@ -186,29 +185,6 @@ async def test_sleep_level_2_discards_and_needs_a_complete_push(engine: Transfor
     assert await push(engine, original, 2) == 2
     after = await engine.generate(GenerateRequest(prompts=PROMPTS, sampling=greedy(8)))
     assert ids_of(after) == ids_of(before) and {c.weight_version for c in after} == {2}
-
-
-async def test_push_with_wake_takes_the_released_weights_back(engine: TransformersEngine, tiny_model: Path) -> None:
-    before = await engine.generate(GenerateRequest(prompts=PROMPTS, sampling=greedy(8)))
-    original = load_checkpoint(tiny_model)
-    await engine.sleep(level=2)
-    sync = await connect_weight_sync([engine], "inproc", timeout_s=60)
-    try:
-        with pytest.raises(WeightSyncError, match="released its weights.*push with wake=True") as refused:
-            await sync.push(original, version=1)  # refused, as before
-        assert isinstance(refused.value.__cause__, EngineAsleep)
-        assert (await engine.info()).asleep == ["kv_cache", "weights"]
-        assert await sync.push(original, version=2, wake=True) == 2
-        assert (await engine.info()).asleep == ["kv_cache"]  # the KV cache is the caller's to wake
-        await engine.wake_up(tags=["kv_cache"])
-        after = await engine.generate(GenerateRequest(prompts=PROMPTS, sampling=greedy(8)))
-        assert ids_of(after) == ids_of(before) and {c.weight_version for c in after} == {2}
-        # wake=True into an engine whose weights are awake is a plain push.
-        changed = perturbed(original)
-        assert await sync.push(changed, version=3, wake=True) == 3
-        assert ids_of(await engine.generate(GenerateRequest(prompts=PROMPTS, sampling=greedy(8)))) != ids_of(before)
-    finally:
-        await sync.close()
 
 
 @pytest.mark.parametrize("mode", ["staged", "inplace"])

@@ -307,15 +307,6 @@ class Engine(EngineProtocol):
     async def _receive_weights(self, manifest: WeightManifest) -> None:
         raise CapabilityError(f"backend '{self.backend_name}' cannot receive weights")
 
-    async def _wake_and_receive(self, manifest: WeightManifest) -> None:
-        """A push with ``wake`` into an engine whose weights are asleep: take them back and receive
-        ``manifest`` into them. The default wakes the weights, then receives; a backend that can map
-        the weights' memory as the buckets arrive overrides it (and takes 'weights' out of
-        ``_asleep`` once they are back, whatever becomes of the receive)."""
-        await self._wake_up(["weights"])
-        self._asleep.discard("weights")
-        await self._receive_weights(manifest)
-
     async def _close_weight_transfer(self) -> None:
         return None
 
@@ -669,11 +660,10 @@ class Engine(EngineProtocol):
         self._check_not_closed()
         if manifest.lora is not None:
             return await self._receive_lora_checked(manifest)
-        waking = "weights" in self._asleep
-        if waking and not manifest.wake:
+        if "weights" in self._asleep:
             raise EngineAsleep(
                 f"engine '{self.backend_name}' has released its weights; call wake_up(tags=['weights']) "
-                "before pushing, or push with wake=True"
+                "before pushing"
             )
         if not manifest.allow_rollback and manifest.version <= self.weight_version:
             raise StaleVersion(
@@ -686,10 +676,7 @@ class Engine(EngineProtocol):
         with self._update_hold():
             self._receiving = (manifest.version, time.monotonic(), manifest.timeout_s)
             try:
-                if waking:
-                    await self._wake_and_receive(manifest)
-                else:
-                    await self._receive_weights(manifest)
+                await self._receive_weights(manifest)
             except BaseException as exc:
                 error = exc
                 raise

@@ -18,7 +18,6 @@ from rollout_engines import (
     EngineUnavailable,
     GenerateRequest,
     SamplingParams,
-    WeightSyncError,
     connect_weight_sync,
 )
 from safetensors.torch import save_file
@@ -244,31 +243,6 @@ async def test_weight_push_reaches_every_worker_with_rank_offsets():
         assert e.weight_version == 7 and e.offset() == 16  # both workers' rows arrived
     outs = [await group.generate(req(10)) for _ in range(4)]
     assert all(o[0].token_ids == echo_tokens(10, 16, 2) and o[0].weight_version == 7 for o in outs)
-
-
-async def test_push_with_wake_takes_every_members_weights_back():
-    group, engines = group_of(2, workers=2)
-    await group.sleep(level=1)
-    for wake in (False, True):
-        sync = await connect_weight_sync([group], "inproc")
-        try:
-            if not wake:
-                with pytest.raises(WeightSyncError, match="push with wake=True"):
-                    await sync.push({"bias": torch.full((2, 4), 2.0)}, version=1)
-                assert all(e._asleep == {"weights", "kv_cache"} for e in engines)
-            else:
-                await sync.push({"bias": torch.full((2, 4), 2.0)}, version=2, wake=True)
-        finally:
-            await sync.close()
-    assert all(e._asleep == {"kv_cache"} and e.weight_version == 2 for e in engines)
-    assert (await group.info()).asleep == ["kv_cache"]
-    # A member that comes back with its weights asleep is brought in line: the push woke them.
-    engines[0].crashed = True
-    await group.check_health()
-    engines[0]._asleep.add("weights")
-    engines[0].crashed = False
-    assert await group.check_health() == [True, True]
-    assert engines[0]._asleep == {"kv_cache"}
 
 
 async def _push_bias(engine, value: float, version: int) -> None:

@@ -16,10 +16,6 @@ sleep: one tensor takes what the sleep freed (on a GPU, the bytes the device rep
 512 MiB of slack; elsewhere, the weights' bytes), is written, and is freed again
 (``torch.cuda.empty_cache()`` on a GPU); ``--idle-s`` then follows. With ``--idle-s 0`` the
 wake-up maps memory the trainer freed a moment before, the case the driver maps slowest.
-``--wake-with-push`` drops the ``wake_up(tags=["weights"])``: the push wakes them
-(``push(wake=True)``), so ``wake_weights`` is 0 and ``push`` includes the wake-up; vLLM on a GPU
-maps the weights' memory as the buckets need it (``wake_map_s``: the first worker's time in those
-mappings), other engines wake the weights first.
 
 The weight-sync session is opened once, before the first cycle, as a trainer does, and
 ``--warmup`` untimed pushes (4, alternating the two weight sets as the cycles do) go first: a
@@ -77,9 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap-kv", action="store_true",
                         help="wake the KV cache while the push runs (asyncio.gather of the two); "
                         "refit is then wake_weights + push_and_kv, and push / wake_kv are each call's own time")
-    parser.add_argument("--wake-with-push", action="store_true",
-                        help="no wake_up(tags=['weights']): the push wakes them (push(wake=True)); vLLM maps "
-                        "the weights' memory as the buckets need it. wake_weights is then 0 and push includes the wake")
     parser.add_argument("--idle-s", type=idle_seconds, default=0.0, metavar="SECONDS",
                         help="seconds between each cycle's sleep and its wake-up, untimed: the trainer's step; "
                         "a wake-up right after a sleep maps its memory more slowly (benchmarks/RESULTS.md)")
@@ -112,10 +105,6 @@ def run(args: Any) -> dict[str, Any]:
     level = int(arg(args, "level", 2))
     overlap = bool(arg(args, "overlap_kv", False))
     trainer_step = bool(arg(args, "trainer_step", False))
-    wake_with_push = bool(arg(args, "wake_with_push", False))
-    if wake_with_push and overlap:
-        raise ValueError("--wake-with-push and --overlap-kv do not go together: the KV cache wakes after "
-                         "a push that wakes the weights; pass one of them")
     try:
         caps = engine.capabilities
         if level not in caps.sleep_levels:
@@ -158,8 +147,6 @@ def run(args: Any) -> dict[str, Any]:
 
         #: Bytes each cycle's trainer step took (``--trainer-step``).
         stepped: list[int] = []
-        #: Per cycle with ``--wake-with-push``: each worker's account of the mapping (vLLM).
-        wakes: list[list[Any]] = []
 
         def train_in(freed_bytes: int) -> None:
             """A trainer's step in the memory the sleep freed: one tensor written, then freed."""
@@ -197,11 +184,8 @@ def run(args: Any) -> dict[str, Any]:
                         await asyncio.sleep(idle_s)  # untimed: the (rest of the) trainer's step
                     if gpu:
                         freed.append((at_sleep - before, free_bytes() - before))
-                    if wake_with_push:
-                        row["wake_weights"] = 0.0
-                    else:
-                        await timed("wake_weights", row, engine.wake_up(tags=["weights"]))
-                    push = sync.push(tensors, version=engine.weight_version + 1, wake=wake_with_push)
+                    await timed("wake_weights", row, engine.wake_up(tags=["weights"]))
+                    push = sync.push(tensors, version=engine.weight_version + 1)
                     if overlap:
                         await timed("push_and_kv", row, asyncio.gather(
                             timed("push", row, push, sync=False),
@@ -209,8 +193,6 @@ def run(args: Any) -> dict[str, Any]:
                     else:
                         await timed("push", row, push)
                     push_phases.append(_phases(await engine.diagnostics(), row["push"], sync.last_send_timings))  # untimed
-                    if wake_with_push:  # untimed: the workers' own account of the mapping
-                        wakes.append((await engine.info()).extra.get("last_wake") or [])
                     if not overlap:
                         await timed("wake_kv", row, engine.wake_up(tags=["kv_cache"]))
                         row["push_and_kv"] = row["push"] + row["wake_kv"]
@@ -241,13 +223,6 @@ def run(args: Any) -> dict[str, Any]:
         "idle_s": idle_s,
         "serve_s": serve_s,
         "trainer_step": trainer_step,
-        "wake_with_push": wake_with_push,
-        # With --wake-with-push, where the engine reports it (vLLM): seconds the first worker spent
-        # mapping the weights' memory during the push, ranges it mapped, and buckets that had to map
-        # all that was left (median of cycles 2..N)
-        "wake_map_s": _median_of(wakes, "map_s"),
-        "wake_ranges": _median_of(wakes, "mapped"),
-        "wake_fallbacks": _median_of(wakes, "fallbacks"),
         # GB each cycle's trainer step took and freed (median of cycles 2..N); None without the step
         "trainer_step_gb": _median_gb(stepped[1:] or stepped),
         "cycles": cycles,
@@ -276,12 +251,6 @@ def run(args: Any) -> dict[str, Any]:
         "sleep_freed_gb": _median_gb([f[0] for f in freed[1:] or freed]),
         "freed_at_wake_gb": _median_gb([f[1] for f in freed[1:] or freed]),
     }
-
-
-def _median_of(wakes: list[list[Any]], key: str) -> float | None:
-    """The median over cycles 2..N of the first worker's ``key`` in its wake account (None without one)."""
-    values = [w[0][key] for w in wakes[1:] or wakes if w and isinstance(w[0], dict) and key in w[0]]
-    return round(statistics.median(values), 6) if values else None
 
 
 def _median_gb(values: list[int]) -> float | None:

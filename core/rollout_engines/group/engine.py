@@ -451,13 +451,9 @@ class EngineGroup(_Router):
     async def _wake_up(self, tags: Sequence[str]) -> None:
         async with self._state_lock:
             await self._fan_out(lambda e: e.wake_up(tags), "wake_up")
-            self._awake(tags)
-
-    def _awake(self, tags: Sequence[str]) -> None:
-        """The members' ``tags`` are back: what a rejoining member is brought in line with."""
-        if self._sleep_state is not None:
-            left = [t for t in self._sleep_state[1] if t not in tags]
-            self._sleep_state = (self._sleep_state[0], left) if left else None
+            if self._sleep_state is not None:
+                left = [t for t in self._sleep_state[1] if t not in tags]
+                self._sleep_state = (self._sleep_state[0], left) if left else None
 
     async def _reset_prefix_cache(self) -> None:
         await self._fan_out(lambda e: e.reset_prefix_cache(), "reset_prefix_cache")
@@ -523,9 +519,6 @@ class EngineGroup(_Router):
             failed = [(m, r) for m, r in zip(members, results, strict=True) if isinstance(r, BaseException)]
             for m in ok:
                 m.version = manifest.version
-            if manifest.wake and ok and "weights" in self._asleep:  # the push took the weights back
-                self._asleep.discard("weights")
-                self._awake(["weights"])
             if ok and manifest.version != self.weight_version:
                 self.weight_version = manifest.version
                 for m in self._members:

@@ -136,10 +136,6 @@ class WeightManifest(BaseModel):
     allow_rollback: bool = False
     options: dict[str, Any] = Field(default_factory=dict)
     delta: DeltaSpec | None = None
-    #: Engines whose weights are asleep take them back with this push (``WeightSync.push(wake=True)``)
-    #: instead of refusing it: a backend that can maps their memory as the buckets arrive, the others
-    #: wake them first. Engines whose weights are awake ignore it.
-    wake: bool = False
     #: Set for a LoRA push (:meth:`WeightSync.push_lora`): the tensors are that adapter's, named as
     #: PEFT names them; ``version`` is the adapter's version, not the base weights'.
     lora: LoraSpec | None = None
@@ -211,7 +207,6 @@ def plan_manifest(
     allow_rollback: bool = False,
     delta: DeltaSpec | None = None,
     lora: LoraSpec | None = None,
-    wake: bool = False,
 ) -> WeightManifest:
     """Lay tensors out into buckets of at most ``bucket_bytes`` (a larger tensor gets its own).
     Raises :class:`ManifestMismatch` for duplicate names."""
@@ -257,7 +252,6 @@ def plan_manifest(
         allow_rollback=allow_rollback,
         delta=delta,
         lora=lora,
-        wake=wake,
     )
 
 

@@ -182,7 +182,6 @@ class WeightSync:
         allow_rollback: bool = False,
         delta: bool | None = None,
         quantize: Quantization | None = None,
-        wake: bool = False,
     ) -> int:
         """Send one complete update to every engine; returns ``version`` once all applied it.
 
@@ -206,11 +205,6 @@ class WeightSync:
         float8_e4m3fn plus ``x.weight_scale_inv``, half the bytes. Without it such engines quantize
         the BF16 tensors in their workers. Not combined with ``delta``.
 
-        ``wake=True``: engines whose weights are asleep (``sleep()``) take them back with this push
-        instead of refusing it, so a colocated trainer's ``wake_up(tags=["weights"])`` and push are
-        one call. vLLM on a GPU, after ``sleep(level=2)``, maps its weights' memory bucket by bucket
-        while the copies of the buckets before run; other engines wake their weights first.
-
         One push at a time per session (another one while a push is in flight raises
         :class:`WeightSyncError`). Cancelling the call (``asyncio.wait_for``, ``task.cancel()``)
         aborts the update where it has not finished: the engines' receives raise, so an engine that
@@ -221,7 +215,7 @@ class WeightSync:
         """
         with self._exclusive():
             return await self._push(tensors, version=version, specs=specs, partial=partial,
-                                    allow_rollback=allow_rollback, delta=delta, quantize=quantize, wake=wake)
+                                    allow_rollback=allow_rollback, delta=delta, quantize=quantize)
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -239,7 +233,7 @@ class WeightSync:
 
     async def _push(
         self, tensors: NamedTensors, *, version: int, specs: Sequence[TensorSpec] | None, partial: bool,
-        allow_rollback: bool, delta: bool | None, quantize: Quantization | None, wake: bool = False,
+        allow_rollback: bool, delta: bool | None, quantize: Quantization | None,
     ) -> int:
         if not allow_rollback:
             behind = [(e.backend_name, e.weight_version) for e in self.engines if e.weight_version >= version]
@@ -277,7 +271,7 @@ class WeightSync:
             plan = await asyncio.to_thread(tracker.plan, list(items), delta=bool(delta), partial=partial)
             items, specs = plan.items, None
         manifest, items = self._manifest(items, specs, version, partial=partial, allow_rollback=allow_rollback,
-                                         delta=plan.spec if plan is not None else None, wake=wake)
+                                         delta=plan.spec if plan is not None else None)
         plan_failed = await self._send(manifest, items)
         if plan_failed is not None and self._tracker is not None:
             self._tracker.invalidate()  # the engines' states are not known alike: the next push is full
@@ -322,7 +316,6 @@ class WeightSync:
     def _manifest(
         self, items: Iterable[tuple[str, torch.Tensor]], specs: Sequence[TensorSpec] | None, version: int, *,
         partial: bool = False, allow_rollback: bool = False, delta: DeltaSpec | None = None, lora: LoraSpec | None = None,
-        wake: bool = False,
     ) -> tuple[WeightManifest, Iterable[tuple[str, torch.Tensor]]]:
         """The manifest of update ``version`` of ``items`` (described by ``specs``, or by the tensors
         themselves), and the items (listed where they were a one-pass iterable). The same tensors as
@@ -342,8 +335,7 @@ class WeightSync:
 
             def rows() -> Iterator[tuple[Any, ...]]:
                 return ((s.name, s.dtype, s.shape) for s in described)
-        flags: dict[str, Any] = {"partial": partial, "allow_rollback": allow_rollback, "delta": delta, "lora": lora,
-                                 "wake": wake}
+        flags: dict[str, Any] = {"partial": partial, "allow_rollback": allow_rollback, "delta": delta, "lora": lora}
         # Compared row by row, each row freed at once: a push keeps no object per tensor alive (a
         # kept key per push, ~10k tuples for a MoE model, set off Python's full collections, each
         # a pause of tens of milliseconds, every few pushes). A mapping's items are read twice.

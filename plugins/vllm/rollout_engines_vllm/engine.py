@@ -56,7 +56,6 @@ from rollout_engines.backend_kit import (
 from rollout_engines.engine import Capabilities, Engine
 from rollout_engines.errors import (
     BackendNotInstalled,
-    EngineAsleep,
     EngineClosed,
     EngineUnavailable,
     InvalidRequest,
@@ -337,8 +336,6 @@ class VllmEngine(Engine):
         self._label_task: concurrent.futures.Future[None] | None = None  # vLLM told the last push's version
         self._door: Doorbell | None = None  # option direct_receive, while a weight transfer is open
         self._direct_receives = 0  # updates the doorbell handed to the workers (info().extra)
-        self._weights_released = False  # sleep(level=2) released the weights' memory (no copy kept)
-        self._last_wake: list[Any] = []  # each worker's account of the last push that woke the weights
         if self.options.pause_mode is not None:
             logger.warning("vLLM option pause_mode is deprecated and ignored; pass the mode to pause(mode)")
         self._setup_process_env()
@@ -993,7 +990,6 @@ class VllmEngine(Engine):
         # other one right away (it costs one offload round trip of what stays).
         # Level 1 when the weights are to stay: level 2 would discard them.
         await self._on_loop(lambda: llm.sleep(level if "weights" in wanted else 1))
-        self._weights_released = "weights" in wanted and level >= 2
         keep = sorted({"weights", "kv_cache"} - wanted)
         if keep:
             await self._on_loop(lambda: llm.wake_up(tags=keep))
@@ -1004,37 +1000,6 @@ class VllmEngine(Engine):
     async def _wake_up(self, tags: Sequence[str]) -> None:
         llm = self._llm
         await self._on_loop(lambda: llm.wake_up(tags=list(tags)))
-        if "weights" in tags:
-            self._weights_released = False
-
-    async def _wake_and_receive(self, manifest: WeightManifest) -> None:
-        """A push that wakes the weights a level-2 sleep released (on a GPU): each worker maps the
-        weights' memory range by range as the buckets need it, while the copies of the buckets
-        before run (:mod:`.wake`), instead of mapping all of it before the push. vLLM's own wake-up
-        follows, whatever became of the push: it maps only what the workers did not (nothing, after
-        a push), restores the buffers the sleep saved, and its engine core counts the weights awake."""
-        if self.platform != "cuda" or not self._weights_released:
-            await super()._wake_and_receive(manifest)
-            return
-        llm, failed = self._llm, False
-        try:
-            await self._receive_weights(manifest, wake=True)
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            try:
-                await self._on_loop(lambda: llm.wake_up(tags=["weights"]))
-            except Exception as exc:
-                if not failed:
-                    raise EngineAsleep(
-                        f"engine '{self.backend_name}' could not map its weights' memory again ({exc}); "
-                        "free the trainer's memory (torch.cuda.empty_cache()) and push again with wake=True"
-                    ) from exc
-                logger.warning("vLLM's wake-up of the weights after a failed push failed too: %s", exc)
-            else:
-                self._weights_released = False
-                self._asleep.discard("weights")
 
     # ---- weights -------------------------------------------------------------------------------------
     async def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
@@ -1146,8 +1111,7 @@ class VllmEngine(Engine):
 
         return await self._on_loop(receive), False
 
-    async def _receive_weights(self, manifest: WeightManifest, *, wake: bool = False) -> None:
-        """``wake``: the weights' memory is released; the workers map it as the buckets need it."""
+    async def _receive_weights(self, manifest: WeightManifest) -> None:
         from .worker_ext import raise_worker_error
 
         # The receive blocks the engine core while buckets arrive; the transports time out per
@@ -1155,10 +1119,7 @@ class VllmEngine(Engine):
         timeout = manifest.timeout_s * (len(manifest.buckets) + 2)
         start = time.perf_counter()
         results, direct = await self._to_workers(manifest, "roe_receive_weights", timeout=timeout,
-                                                 extra={"wake_weights": True} if wake else None,
                                                  landed=lambda: self._start_label(manifest.version))
-        if wake:
-            self._last_wake = [r.get("wake") if isinstance(r, dict) else None for r in results]
         # Where the push's time went (diagnostics()): the RPC round trip as the driver saw it, and
         # each worker's own account (validate, wait, check, apply, total).
         self._last_receive = LastReceive(
@@ -1203,8 +1164,6 @@ class VllmEngine(Engine):
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
             "direct_receive": self.options.direct_receive,
             "direct_receives": self._direct_receives,
-            # per worker, the last push that woke the weights: ranges mapped, seconds in the mapping
-            "last_wake": self._last_wake,
         }
 
     async def _close(self) -> None:

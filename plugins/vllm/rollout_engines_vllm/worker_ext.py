@@ -27,7 +27,6 @@ from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightMa
 from rollout_engines.weights.receiver import WeightReceiver
 
 from .checkpoint import checkpoint_specs, incomplete_groups, resolve_model_dir
-from .wake import LazyWeightsWake, sleep_allocator
 
 logger = logging.getLogger("rollout_engines.vllm.worker")
 
@@ -96,8 +95,6 @@ class VllmWeightTarget:
                 "vLLM on a GPU, or start a new engine from a saved checkpoint"
             )
         self.use_copy_plan = copy_plan and not self.use_reload
-        #: Set while a push wakes the weights it fills (``LazyWeightsWake``): maps what each bucket needs.
-        self.waker: Any = None
         self.plan = PlannedLoader() if self.use_copy_plan else None
         #: An FP8 block engine (option ``weight_quantization``): pushes come in BF16 (quantized here)
         #: or already quantized; ``select`` picks the form a manifest is checked against.
@@ -135,11 +132,6 @@ class VllmWeightTarget:
         return problems + incomplete_groups(names, self._specs, self.packed)
 
     def apply(self, named: Sequence[tuple[str, torch.Tensor]], *, owned: bool) -> None:
-        if self.waker is not None:
-            names = [n for n, _ in named]
-            # An FP8 engine writes a quantized weight's scales beside it.
-            scales = [n + SCALE_SUFFIX for n in names if not n.endswith(SCALE_SUFFIX)] if self.fp8 is not None else []
-            self.waker.before(names, scales)
         if self.fp8 is not None:
             # Quantized layers: written (and quantized) straight into the running FP8 parameters.
             quantized = self.quantized
@@ -327,35 +319,12 @@ class WorkerExtension:
                     + "; ".join(problems[:5])
                     + ". vLLM loads fused modules whole: send every tensor of a module, or none"
                 )
-            waker = self._roe_waker(target) if isinstance(wire, dict) and wire.get("wake_weights") else None
-            target.waker = waker
-            try:
-                version = receiver.receive(manifest)
-            finally:
-                target.waker = None
-                woke = waker is not None and _finish_wake(waker)
-            result = {"ok": True, "version": version, "timings": receiver.last_timings}
-            if waker is not None:
-                result["wake"] = {"woke": woke, "mapped": len(waker.mapped), "map_s": round(waker.map_s, 6),
-                                  "fallbacks": waker.fallbacks}
-            return result
+            version = receiver.receive(manifest)
+            return {"ok": True, "version": version, "timings": receiver.last_timings}
         except BaseException as exc:
             if not isinstance(exc, ManifestMismatch):
                 logger.warning("weight update failed in worker: %s", exc)
             return error_result(exc)
-
-    def _roe_waker(self, target: VllmWeightTarget) -> LazyWeightsWake | None:
-        """The lazy wake-up of this worker's released weights for a push that wakes them (None
-        without sleep mode: nothing was released)."""
-        found = sleep_allocator()
-        if found is None:
-            return None
-        allocator, create_and_map, unmap_and_release = found
-        model = self.model_runner.get_model()
-        params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-        params.update(model.named_buffers(remove_duplicate=False))
-        return LazyWeightsWake(allocator, params, target.packed, create_and_map=create_and_map,
-                               unmap_and_release=unmap_and_release)
 
     def roe_lora_setup(self) -> None:
         """Prepare this worker for LoRA requests (before the first adapter is registered)."""
@@ -432,20 +401,6 @@ class WorkerExtension:
                 state["receiver"].close()
             finally:
                 state["receiver"] = None
-
-
-def _finish_wake(waker: LazyWeightsWake) -> bool:
-    """After a push that woke the weights, whatever became of it: map what no bucket needed and
-    hand over to vLLM's own wake-up (the engine calls it next). Where mapping fails (the memory is
-    not free), release what was mapped: the weights stay asleep, as before. Returns whether they woke."""
-    try:
-        waker.map_all()
-    except Exception as exc:  # noqa: BLE001 - reported; the engine's wake-up raises the typed error
-        logger.warning("could not map the weights' memory again (%s); they stay asleep", exc)
-        waker.release()
-        return False
-    waker.hand_over()
-    return True
 
 
 def _device_setter(device: Any) -> Any:

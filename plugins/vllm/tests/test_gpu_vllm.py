@@ -86,43 +86,6 @@ def test_wake_up_serves_fresh_cache_and_level2_needs_a_push(engine, tiny_model):
     run(go())
 
 
-@pytest.mark.parametrize("transport", ["cuda_ipc", "gloo"])
-def test_push_with_wake_maps_the_weights_bucket_by_bucket(engine, tiny_model, transport):
-    """After sleep(level=2), push(wake=True) maps the weights' memory in the workers as the buckets
-    need it; vLLM's own wake-up after it maps nothing twice; the engine serves the pushed weights."""
-    device = "cuda" if transport == "cuda_ipc" else "cpu"
-
-    async def go():
-        original = {k: v.to(device) for k, v in load_checkpoint(tiny_model).items()}
-        changed = {k: v.to(device) for k, v in perturbed(load_checkpoint(tiny_model)).items()}
-        before, sums = await tokens(engine), await checksums(engine)
-        sync = await connect_weight_sync([engine], transport, bucket_bytes=1 << 20)
-        try:
-            for weights, same in ((changed, False), (original, True), (changed, False), (original, True)):
-                await engine.sleep(level=2)
-                free = torch.cuda.mem_get_info()[0]
-                await sync.push(weights, version=engine.weight_version + 1, wake=True)
-                assert torch.cuda.mem_get_info()[0] < free  # the weights' memory is back
-                assert (await engine.info()).asleep == ["kv_cache"]
-                wake = (await engine.info()).extra["last_wake"]
-                assert wake and all(w["woke"] and w["mapped"] > 0 for w in wake), wake
-                await engine.wake_up(tags=["kv_cache"])
-                assert (await checksums(engine) == sums) is same
-                assert (await tokens(engine) == before) is same
-            # A plain wake-up and push still work after it.
-            await engine.sleep(level=2)
-            await engine.wake_up(tags=["weights"])
-            await sync.push(changed, version=engine.weight_version + 1)
-            await engine.wake_up(tags=["kv_cache"])
-            assert await checksums(engine) != sums
-            await sync.push(original, version=engine.weight_version + 1)
-            assert await tokens(engine) == before
-        finally:
-            await sync.close()
-
-    run(go())
-
-
 @pytest.mark.parametrize("transport", ["cuda_ipc", "disk", "gloo"])
 def test_gpu_push_changes_then_restores_weights(engine, tiny_model, transport):
     device = "cuda" if transport == "cuda_ipc" else "cpu"
