@@ -9,6 +9,8 @@ Everything else is real: the protocol classes, the store, ``WeightSync``'s strea
 
 from __future__ import annotations
 
+import asyncio
+import os
 import threading
 import time
 from typing import Any
@@ -226,3 +228,99 @@ def test_an_abort_before_the_first_bucket_ends_a_waiting_receive_within_a_second
     finally:
         receiver.close()
         sender.close()
+
+
+def _steady_push(sync: WeightSync, receiver: WeightReceiver, state: dict[str, torch.Tensor],
+                 version: int) -> tuple[WeightManifest, list[BaseException]]:
+    """Push ``state`` as ``WeightSync.push`` does: a layout like the last push's is reused."""
+    manifest, items = sync._manifest(list(state.items()), None, version)
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=_receive_into, args=(receiver, manifest, errors))
+    thread.start()
+    try:
+        sync._stream(manifest, iter(items))
+    finally:
+        thread.join(30)
+    return manifest, errors
+
+
+def _seeded(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: v.detach().clone() for k, v in _module().state_dict().items()}
+
+
+def _segments_mapped(session: str) -> list[str]:
+    with open("/proc/self/maps") as maps:
+        return [line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                for line in maps if f"/roe_{session}_" in line]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads this process's memory mappings (Linux)")
+def test_steady_pushes_build_their_slot_views_once_and_let_them_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ends of a packed transport view each tensor in the slot it passes through. A push of the
+    layout and through the slots of the push before reuses those views (building them again cost
+    ~10 us a tensor, every push); a new layout, or new slots after an aborted push, builds them
+    again; every push still lands every value; closing both ends unmaps every slot."""
+    from rollout_engines.weights import buckets
+    from rollout_engines.weights import receiver as receiver_module
+
+    built: list[int] = []
+    real = buckets.bucket_views
+
+    def counting(buf: torch.Tensor, placements: Any) -> Any:
+        placements = list(placements)
+        built.append(len(placements))
+        return real(buf, placements)
+
+    monkeypatch.setattr(buckets, "bucket_views", counting)
+    monkeypatch.setattr(receiver_module, "bucket_views", counting)
+    sender, receiver, module, sync = _pair("views0")
+
+    def push(state: dict[str, torch.Tensor], version: int) -> int:
+        """Views built by this push, after checking that it landed every value."""
+        before = len(built)
+        manifest, errors = _steady_push(sync, receiver, state, version)
+        assert not errors, errors
+        assert all(torch.equal(t, state[n]) for n, t in module.state_dict().items())
+        assert receiver.version == version
+        assert len(manifest.buckets) >= 6
+        return len(built) - before, len(manifest.buckets)
+
+    try:
+        built_now, buckets_now = push(_seeded(1), 1)
+        assert built_now == 2 * buckets_now  # each bucket's views, once on each side
+        for version in (2, 3):
+            assert push(_seeded(version), version)[0] == 0
+        reordered = dict(reversed(list(_seeded(4).items())))  # a new layout: its own buckets
+        built_now, buckets_now = push(reordered, 4)
+        assert built_now == 2 * buckets_now
+        assert push(dict(reversed(list(_seeded(5).items()))), 5)[0] == 0
+
+        # An update the trainer gives up after a few tensors: the sender drops its slots, the
+        # receiver its views; the next push goes through new slots and lands whole (where a new
+        # slot is mapped at an old one's address, the views kept for that address are its views).
+        state = dict(reversed(list(_seeded(6).items())))
+        manifest, items = sync._manifest(list(state.items()), None, 6)
+
+        def failing() -> Any:
+            for i, item in enumerate(items):
+                if i == 5:
+                    raise RuntimeError("the trainer's gather failed")
+                yield item
+
+        errors: list[BaseException] = []
+        thread = threading.Thread(target=_receive_into, args=(receiver, manifest, errors))
+        thread.start()
+        with pytest.raises(RuntimeError, match="gather failed"):
+            sync._stream(manifest, failing())
+        thread.join(30)
+        assert errors, "the receive of the abandoned update succeeded"
+        assert sender._slots == [None, None], "the aborted update's slots are still open"
+        push(dict(reversed(list(_seeded(7).items()))), 7)
+        assert push(dict(reversed(list(_seeded(8).items()))), 8)[0] == 0
+        assert _segments_mapped("views0"), "the open slots are mapped while the session runs"
+    finally:
+        receiver.close()
+        sender.close()
+        asyncio.run(sync.close())
+    assert _segments_mapped("views0") == []

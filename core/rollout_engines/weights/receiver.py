@@ -25,7 +25,7 @@ from typing import Literal, Protocol
 import torch
 
 from ..errors import ManifestMismatch, WeightsInvalidated, WeightSyncError
-from .buckets import BucketHeader, bucket_views, checksum, checksum_tensors
+from .buckets import BucketHeader, BucketViews, bucket_views, checksum, checksum_tensors
 from .delta import ReceivedBase, SparseRebuilder, check_base, current_reader, next_base
 from .experts import ExpertSlice, alias_specs, expert_aliases
 from .manifest import ExpectedSpec, TensorSpec, TransportSpec, WeightManifest, validate_manifest
@@ -100,6 +100,8 @@ class WeightReceiver:
         #: applies to the same model) keeps the one given here for reading current values.
         self.delta_base: ReceivedBase | None = None
         self._home_target = target
+        #: Views of the current layout's tensors in the transport's slots (a buffer it reuses).
+        self._slot_views = BucketViews()
 
     def connect(self, spec: TransportSpec, local_rank: int = 0) -> None:
         self.close()
@@ -194,7 +196,10 @@ class WeightReceiver:
                     else:
                         if mode == "staged" and not owned:
                             buf, owned = buf.clone(), True
-                        views = list(bucket_views(buf, placements))
+                        if owned or not transport.reuses_slots:
+                            views = list(bucket_views(buf, placements))
+                        else:
+                            views = self._slot_views.get(manifest, bucket.index, buf)
                     rebuilt: list[tuple[str, torch.Tensor]] = []
                     if sparse is not None:  # a delta's pieces: whole tensors again (base + changes)
                         views, rebuilt = sparse.feed(views, owned=owned)
@@ -246,6 +251,8 @@ class WeightReceiver:
                 self.delta_base = None
             raise err_cls(f"{self.label}: update v{manifest.version} failed: {exc!r}{_advice(exc)}") from exc
         finally:
+            if not ok:  # the transport may close its slots now; the views would keep them mapped
+                self._slot_views.clear()
             transport.end(manifest, ok)
         spent["total"] = clock() - start
         if events:
@@ -286,6 +293,7 @@ class WeightReceiver:
             )
 
     def close(self) -> None:
+        self._slot_views.clear()
         if self.transport is not None:
             try:
                 self.transport.close()

@@ -32,6 +32,7 @@ from ..errors import (
 from ..types import LoraSpec
 from .buckets import (
     BucketHeader,
+    BucketViews,
     alloc_bucket,
     check_bucket_tensors,
     checksum,
@@ -168,6 +169,8 @@ class WeightSync:
         self._layout: tuple[tuple[Any, ...], WeightManifest] | None = None
         #: Per bucket of the current layout: each tensor's name, dtype and shape, as torch objects.
         self._expected: dict[int, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
+        #: Views of the current layout's tensors in the transport's own slots (packed transports).
+        self._slot_views = BucketViews()
         self._send_error: BaseException | None = None
         self._in_flight = False
         self._names: tuple[object, frozenset[str]] | None = None
@@ -351,6 +354,7 @@ class WeightSync:
             )
             self._layout = (tuple(rows()), manifest)
             self._expected = {}
+            self._slot_views.clear()
         return manifest, items
 
     async def _send(
@@ -500,7 +504,9 @@ class WeightSync:
                     else:
                         out = alloc_bucket(bucket.nbytes, device)
                     with torch.no_grad():
-                        buf = pack_bucket(manifest, bucket.index, pending, out)
+                        # Only a transport's slot stays from push to push; the views of ours would hold it.
+                        kept = self._slot_views if own is not None else None
+                        buf = pack_bucket(manifest, bucket.index, pending, out, kept)
                     for n in names:
                         del pending[n]
                     header = BucketHeader(
@@ -529,6 +535,7 @@ class WeightSync:
             return
         self._closed = True
         await asyncio.gather(*(e.close_weight_transfer() for e in self.engines), return_exceptions=True)
+        self._slot_views.clear()  # they would keep the slots the sender closes mapped
         await asyncio.to_thread(self.sender.close)
 
     async def __aenter__(self) -> WeightSync:

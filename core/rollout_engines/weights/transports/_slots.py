@@ -231,6 +231,7 @@ class SlotReceiver(TransportReceiver):
     """Engine-worker half: subclasses open and close slots (``_open_slot``/``_close_slot``)."""
 
     keeps_buffer: ClassVar[bool] = False
+    reuses_slots: ClassVar[bool] = True
 
     def __init__(self, spec: TransportSpec, *, rank: int, device: torch.device | str = "cpu"):
         super().__init__(spec, rank=rank, device=device)

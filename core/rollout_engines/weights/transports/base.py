@@ -135,3 +135,6 @@ class TransportReceiver(_Cancellable, abc.ABC):
     #: True when the buffer returned by recv_bucket stays valid after release (fresh memory);
     #: False when it is a shared slot that the sender overwrites (receiver must copy to keep it).
     keeps_buffer: ClassVar[bool] = True
+    #: True when recv_bucket hands out the same few buffers (slots) push after push while the
+    #: sender keeps them: the receiver may then keep its views of them for the next push.
+    reuses_slots: ClassVar[bool] = False
