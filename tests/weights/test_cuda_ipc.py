@@ -8,7 +8,7 @@ import multiprocessing as mp
 
 import pytest
 import torch
-from rollout_engines.weights.manifest import TransportSpec, plan_manifest, specs_of
+from rollout_engines.weights.manifest import TransportSpec, manifest_to_wire
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -43,7 +43,7 @@ class ForwardingTarget:
 
 
 def receiver_main(conn, spec: dict, shapes: dict, forward: bool = False) -> None:
-    from rollout_engines.weights.manifest import WeightManifest
+    from rollout_engines.weights.manifest import manifest_from_wire
     from rollout_engines.weights.receiver import WeightReceiver
 
     class Params(torch.nn.Module):
@@ -63,7 +63,7 @@ def receiver_main(conn, spec: dict, shapes: dict, forward: bool = False) -> None
         manifest = conn.recv()
         if manifest is None:
             break
-        receiver.receive(WeightManifest(**manifest))
+        receiver.receive(manifest_from_wire(manifest))
         sums = {n: float(p.double().sum()) for n, p in module.named_parameters()}
         conn.send((sums, receiver.transport.opened if not forward else target.forwarded))
     receiver.close()
@@ -92,10 +92,11 @@ async def receiver_process(state: dict, options: dict, forward: bool = False):
                           checksum="sum64", progress=False)
 
         async def push(named: dict, version: int):
-            manifest = plan_manifest(specs_of(list(named.items())), version=version, bucket_bytes=4 * 2**20,
-                                     transport="cuda_ipc", timeout_s=60)
-            conn.send(manifest.model_dump())
-            await asyncio.to_thread(sync._stream, manifest, iter(named.items()))
+            # As WeightSync.push and an engine's RPC do: the layout of the last push is reused, so
+            # both ends keep what they built for it (e.g. their views of the slots).
+            manifest, items = sync._manifest(list(named.items()), None, version)
+            conn.send(manifest_to_wire(manifest))
+            await asyncio.to_thread(sync._stream, manifest, iter(items))
             sums, opened = await asyncio.to_thread(conn.recv)
             for n, t in named.items():
                 assert sums[n] == pytest.approx(float(t.double().sum()), rel=1e-6, abs=1e-3)
@@ -115,10 +116,12 @@ async def test_cuda_ipc_push_lands_whole_and_opens_each_slot_once():
     torch.manual_seed(0)
     state = {f"w{i}": torch.randn(256, 1024, device="cuda:0") for i in range(40)}  # 40 MiB
     async with receiver_process(state, {"direct": False}) as push:
-        for version, scale in ((1, 1.0), (2, -2.0)):
+        # From the second push on both ends copy through the views they kept of the two slots,
+        # the receiver's copies replayed from a CUDA graph from the second on: every value lands.
+        for version, scale in ((1, 1.0), (2, -2.0), (3, 0.5), (4, 3.0)):
             manifest, opened = await push({n: t * scale for n, t in state.items()}, version)
             assert len(manifest.buckets) == 10
-            assert opened == 2  # two slots, each opened once, across 20 buckets and 2 updates
+            assert opened == 2  # two slots, each opened once, across 40 buckets and 4 updates
 
 
 def _rebuild_patched_in_the_trainer_only(*args):  # what a receiver process could not import
