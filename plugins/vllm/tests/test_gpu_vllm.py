@@ -86,15 +86,19 @@ def test_wake_up_serves_fresh_cache_and_level2_needs_a_push(engine, tiny_model):
     run(go())
 
 
-@pytest.mark.parametrize("transport", ["cuda_ipc", "disk", "gloo"])
-def test_gpu_push_changes_then_restores_weights(engine, tiny_model, transport):
+@pytest.mark.parametrize(("transport", "options"), [
+    ("cuda_ipc", {}), ("cuda_ipc", {"direct": False}), ("shm", {}), ("disk", {}), ("gloo", {}),
+], ids=["cuda_ipc", "cuda_ipc-packed", "shm", "disk", "gloo"])
+def test_gpu_push_changes_then_restores_weights(engine, tiny_model, transport, options):
+    """Packed transports (``cuda_ipc`` without zero-copy, ``shm``) from the second push on hand the
+    workers the views of their slots they kept, which vLLM's copy plan then replays."""
     device = "cuda" if transport == "cuda_ipc" else "cpu"
 
     async def go():
         original = {k: v.to(device) for k, v in load_checkpoint(tiny_model).items()}
         changed = {k: v.to(device) for k, v in perturbed(load_checkpoint(tiny_model)).items()}
         before, sums = await tokens(engine), await checksums(engine)
-        sync = await connect_weight_sync([engine], transport, bucket_bytes=1 << 20)
+        sync = await connect_weight_sync([engine], transport, bucket_bytes=1 << 20, options=options)
         try:
             for _ in range(2):  # the second round runs on the recorded copy plan
                 await sync.push(changed, version=engine.weight_version + 1)
