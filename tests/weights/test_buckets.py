@@ -7,6 +7,7 @@ import torch
 from rollout_engines.errors import ManifestMismatch, WeightSyncError
 from rollout_engines.weights.buckets import (
     BucketHeader,
+    BucketViews,
     alloc_bucket,
     bucket_views,
     check_bucket_tensors,
@@ -159,3 +160,29 @@ def test_gpu_checksum_of_separate_tensors_matches_the_cpu_one():
     square = torch.randn(64, 64, generator=gen).cuda()
     assert checksum_tensors([square.t()]) == checksum_tensors([square.t().cpu()])
     assert checksum_tensors([square]) == checksum_tensors([square.cpu()])
+
+
+def test_kept_views_pack_every_push_and_still_refuse_a_changed_tensor():
+    """A buffer that stays (a transport's slot): its views are built once per layout and buffer,
+    every pack lands the values given, a tensor changed since the manifest is refused by name."""
+    m = plan_manifest(specs_of(named()), version=1, bucket_bytes=1 << 20)
+    assert len(m.buckets) == 1
+    slot, other = alloc_bucket(m.buckets[0].nbytes + 64), alloc_bucket(m.buckets[0].nbytes)
+    kept = BucketViews()
+    first = kept.get(m, 0, slot)
+    for scale in (1, 3, -2):
+        state = {n: (t * scale).to(t.dtype) for n, t in named()}
+        buf = pack_bucket(m, 0, state, slot, kept)
+        assert all(torch.equal(v, state[n]) for n, v in bucket_views(buf, m.bucket_tensors(0)))
+        assert kept.get(m, 0, slot) is first  # the same views, not built again
+    on_other = kept.get(m, 0, other)
+    assert on_other is not first  # another buffer: its own views
+    assert kept.get(m.model_copy(update={"version": 2}), 0, other) is on_other  # a copy shares the layout
+    relaid = plan_manifest(specs_of(named()), version=2, bucket_bytes=1 << 20)
+    assert kept.get(relaid, 0, other) is not on_other  # a layout planned again: built again
+    state = dict(named())
+    state["c"] = state["c"].float()
+    with pytest.raises(ValueError, match="tensor 'c' changed since the manifest was made"):
+        pack_bucket(m, 0, state, slot, kept)
+    kept.clear()
+    assert kept.get(m, 0, slot) is not first

@@ -106,20 +106,33 @@ class BucketViews:
     shares it: :meth:`WeightManifest.model_copy` on the trainer, ``manifest_from_wire`` beyond)."""
 
     def __init__(self) -> None:
-        self._kept: dict[int, tuple[object, torch.device, int, list[tuple[str, torch.Tensor]]]] = {}
+        self._kept: dict[int, _Kept] = {}
+
+    def _entry(self, manifest: WeightManifest, index: int, buf: torch.Tensor) -> _Kept:
+        kept = self._kept.get(index)
+        ptr = buf.data_ptr()
+        if kept is None or kept.tensors is not manifest.tensors or kept.device != buf.device or kept.ptr != ptr:
+            kept = self._kept[index] = _Kept(manifest, index, buf)
+        return kept
 
     def get(self, manifest: WeightManifest, index: int, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """``(name, view)`` of bucket ``index``'s tensors in ``buf`` (as :func:`bucket_views`)."""
-        kept = self._kept.get(index)
-        ptr = buf.data_ptr()
-        if kept is not None and kept[0] is manifest.tensors and kept[1] == buf.device and kept[2] == ptr:
-            return kept[3]
-        views = list(bucket_views(buf, manifest.bucket_tensors(index)))
-        self._kept[index] = (manifest.tensors, buf.device, ptr, views)
-        return views
+        return self._entry(manifest, index, buf).views
 
     def clear(self) -> None:
         self._kept.clear()
+
+
+class _Kept:
+    """One bucket's views in one buffer, and what packing into them checks each push."""
+
+    __slots__ = ("tensors", "device", "ptr", "views", "dsts", "expected")
+
+    def __init__(self, manifest: WeightManifest, index: int, buf: torch.Tensor) -> None:
+        self.tensors, self.device, self.ptr = manifest.tensors, buf.device, buf.data_ptr()
+        self.views = list(bucket_views(buf, manifest.bucket_tensors(index)))
+        self.dsts = [v for _, v in self.views]
+        self.expected = [(n, v.dtype, tuple(v.shape)) for n, v in self.views]
 
 
 def pack_bucket(
@@ -131,14 +144,17 @@ def pack_bucket(
     :class:`BucketViews`)."""
     nbytes = manifest.buckets[index].nbytes
     buf = out[:nbytes]
-    dsts, srcs = [], []
-    placed = views.get(manifest, index, out) if views is not None else bucket_views(buf, manifest.bucket_tensors(index))
-    for name, view in placed:
-        src = tensors[name]
-        if src.dtype != view.dtype or src.shape != view.shape:
+    if views is not None:
+        kept = views._entry(manifest, index, out)
+        dsts, srcs = kept.dsts, [tensors[name] for name, _, _ in kept.expected]
+        check_bucket_tensors(kept.expected, srcs)
+    else:
+        dsts, srcs = [], []
+        for name, view in bucket_views(buf, manifest.bucket_tensors(index)):
+            src = tensors[name]
             _check_same(name, src, view.dtype, tuple(view.shape))
-        dsts.append(view)
-        srcs.append(src)
+            dsts.append(view)
+            srcs.append(src)
     # One multi-tensor copy per bucket: per-bucket, not per-tensor, launch cost on a GPU.
     torch._foreach_copy_(dsts, srcs, non_blocking=True)
     return buf
