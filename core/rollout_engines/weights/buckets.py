@@ -100,9 +100,11 @@ class BucketViews:
     them again every push costs milliseconds for a bucket of hundreds of tensors (tens for a MoE's
     thousands), on both sides of a packed transport.
 
-    A view keeps its buffer's memory alive: use this only for buffers that stay from push to push
-    (a fresh buffer each push would be held once more by the cache), and :meth:`clear` it before
-    those buffers are closed. A layout is the manifest's tensor list, by identity (a steady push
+    Use this only for buffers that stay from push to push: a view keeps a torch allocation alive
+    (a fresh buffer each push would be held once more), and :meth:`clear` it when those buffers
+    go. Views are reused only while the buffer is at the address they were built at (a view of a
+    shared-memory mapping does not keep the mapping: a slot mapped again at the same address is
+    the same bytes to them). A layout is the manifest's tensor list, by identity (a steady push
     shares it: :meth:`WeightManifest.model_copy` on the trainer, ``manifest_from_wire`` beyond)."""
 
     def __init__(self) -> None:

@@ -251,7 +251,7 @@ class WeightReceiver:
                 self.delta_base = None
             raise err_cls(f"{self.label}: update v{manifest.version} failed: {exc!r}{_advice(exc)}") from exc
         finally:
-            if not ok:  # the transport may close its slots now; the views would keep them mapped
+            if not ok:  # the transport may close its slots now: let go of their views
                 self._slot_views.clear()
             transport.end(manifest, ok)
         spent["total"] = clock() - start

@@ -535,7 +535,7 @@ class WeightSync:
             return
         self._closed = True
         await asyncio.gather(*(e.close_weight_transfer() for e in self.engines), return_exceptions=True)
-        self._slot_views.clear()  # they would keep the slots the sender closes mapped
+        self._slot_views.clear()  # views of the slots the sender is about to close
         await asyncio.to_thread(self.sender.close)
 
     async def __aenter__(self) -> WeightSync:
