@@ -116,8 +116,8 @@ async def test_cuda_ipc_push_lands_whole_and_opens_each_slot_once():
     torch.manual_seed(0)
     state = {f"w{i}": torch.randn(256, 1024, device="cuda:0") for i in range(40)}  # 40 MiB
     async with receiver_process(state, {"direct": False}) as push:
-        # From the second push on both ends copy through the views they kept of the two slots,
-        # the receiver's copies replayed from a CUDA graph from the second on: every value lands.
+        # From the second push on, both ends copy through the views they kept of the two slots
+        # and the receiver replays its copies from a CUDA graph: every value lands.
         for version, scale in ((1, 1.0), (2, -2.0), (3, 0.5), (4, 3.0)):
             manifest, opened = await push({n: t * scale for n, t in state.items()}, version)
             assert len(manifest.buckets) == 10

@@ -276,8 +276,8 @@ def test_steady_pushes_build_their_slot_views_once_and_let_them_go(monkeypatch: 
     monkeypatch.setattr(receiver_module, "bucket_views", counting)
     sender, receiver, module, sync = _pair("views0")
 
-    def push(state: dict[str, torch.Tensor], version: int) -> int:
-        """Views built by this push, after checking that it landed every value."""
+    def push(state: dict[str, torch.Tensor], version: int) -> tuple[int, int]:
+        """Views built by this push and its bucket count, after checking that it landed every value."""
         before = len(built)
         manifest, errors = _steady_push(sync, receiver, state, version)
         assert not errors, errors
