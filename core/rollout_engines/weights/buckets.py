@@ -134,7 +134,7 @@ class _Kept:
         self.tensors, self.device, self.ptr = manifest.tensors, buf.device, buf.data_ptr()
         self.views = list(bucket_views(buf, manifest.bucket_tensors(index)))
         self.dsts = [v for _, v in self.views]
-        self.expected = [(n, v.dtype, tuple(v.shape)) for n, v in self.views]
+        self.expected = expected_tensors(manifest, index)
 
 
 def pack_bucket(
