@@ -15,6 +15,7 @@ from rollout_engines.weights.buckets import (
     checksum_tensors,
     expected_tensors,
     pack_bucket,
+    views_at,
 )
 from rollout_engines.weights.manifest import ALIGN, TensorSpec, plan_manifest, specs_of, validate_manifest
 from rollout_engines.weights.transports import _store
@@ -52,6 +53,56 @@ def test_pack_then_views_round_trip_every_dtype():
         buf = pack_bucket(m, b.index, tensors, alloc_bucket(b.nbytes))
         for name, view in bucket_views(buf, m.bucket_tensors(b.index)):
             assert view.dtype == tensors[name].dtype and torch.equal(view, tensors[name])
+
+
+def _plain(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return buf[offset : offset + n].view(dtype).view(shape)
+
+
+@pytest.mark.parametrize("start", [0, 1, 2, 8])
+def test_views_at_are_the_plain_views_at_any_start_and_offset(start):
+    """The fast views (one as_strided on a view of the buffer as each dtype) are the plain ones:
+    the same bytes, shapes, strides and dtype, for buffers that begin anywhere in their storage;
+    a row torch cannot view in place (its bytes not on a multiple of its dtype's size in the
+    storage) is refused as the plain way refuses it."""
+    storage = torch.randint(0, 256, (4096 + start,), dtype=torch.uint8)
+    buf = storage[start:]
+    rows = [
+        ("f32", torch.float32, (3, 5), 0), ("bf16", torch.bfloat16, (7,), 64), ("i64", torch.int64, (2, 2, 2), 256),
+        ("odd", torch.float16, (4,), 301), ("scalar", torch.float64, (), 512), ("empty", torch.float32, (0, 3), 520),
+        ("bool", torch.bool, (9,), 600), ("f8", torch.float8_e4m3fn, (5, 2), 611), ("last", torch.int32, (4,), 4080),
+    ]
+    viewable = 0
+    for name, dtype, shape, offset in rows:
+        try:
+            plain = _plain(buf, dtype, shape, offset)
+        except RuntimeError as exc:
+            with pytest.raises(RuntimeError, match="divisible"):
+                views_at(buf, [(name, dtype, shape, offset)])
+            assert "divisible" in str(exc)
+            continue
+        viewable += 1
+        ((got, view),) = views_at(buf, [(name, dtype, shape, offset)])
+        assert got == name
+        assert (view.dtype, view.shape, view.stride(), view.data_ptr()) == (
+            plain.dtype, plain.shape, plain.stride(), plain.data_ptr()), name
+        assert view.is_contiguous() and torch.equal(view.reshape(-1).view(torch.uint8), plain.reshape(-1).view(torch.uint8))
+    assert viewable == sum((start + offset) % dtype.itemsize == 0 for _, dtype, _, offset in rows)
+    if start % 8 == 0:  # every row but the odd one, at once
+        views = dict(views_at(buf, [r for r in rows if r[0] != "odd"]))
+        assert len(views) == 8
+        views["f32"].fill_(1.5)  # views, not copies
+        assert torch.equal(_plain(buf, torch.float32, (3, 5), 0), torch.full((3, 5), 1.5))
+
+
+def test_views_at_refuse_a_row_past_the_buffer_even_inside_its_storage():
+    storage = torch.zeros(1024, dtype=torch.uint8)
+    with pytest.raises(RuntimeError):
+        views_at(storage[:512], [("past", torch.float32, (4,), 500)])
+    assert views_at(storage[:512], [("fits", torch.float32, (3,), 500)])[0][1].numel() == 3
 
 
 def test_pack_refuses_a_tensor_that_changed_since_planning():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import ClassVar
 
@@ -85,13 +86,67 @@ def _pos64(words: torch.Tensor | None, tail: int) -> int:
     return (plain + _MIX * weighted) & _MASK
 
 
-def bucket_views(
-    buf: torch.Tensor, placements: Iterable[TensorPlacement]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, view)`` for each tensor laid out in ``buf`` (no copies)."""
-    for p in placements:
-        flat = buf[p.offset : p.offset + p.nbytes]
-        yield p.name, flat.view(torch_dtype(p.dtype)).view(p.shape)
+def bucket_views(buf: torch.Tensor, placements: Iterable[TensorPlacement]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, view)`` for each tensor laid out in ``buf`` (no copies; see :func:`views_at`)."""
+    dtypes: dict[str, torch.dtype] = {}
+
+    def rows() -> Iterator[tuple[str, torch.dtype, tuple[int, ...], int]]:
+        for p in placements:
+            dtype = dtypes.get(p.dtype)
+            if dtype is None:
+                dtype = dtypes[p.dtype] = torch_dtype(p.dtype)
+            yield p.name, dtype, p.shape, p.offset
+
+    return views_at(buf, rows())
+
+
+def views_at(
+    buf: torch.Tensor, rows: Iterable[tuple[str, torch.dtype, tuple[int, ...], int]]
+) -> list[tuple[str, torch.Tensor]]:
+    """``(name, view)`` of each ``(name, dtype, shape, byte offset)`` row in the flat uint8 ``buf``
+    (no copies). One ``as_strided`` a tensor on a view of ``buf`` as its dtype: a slice and two
+    views a tensor cost three times as much, milliseconds a push for a bucket of hundreds of
+    tensors and tens of milliseconds for a MoE's thousands. A row that does not fit ``buf``, or
+    whose offset is not a multiple of its dtype's size, is viewed the plain way (which raises for
+    what does not fit)."""
+    size = buf.numel()
+    flats: dict[torch.dtype, tuple[torch.Tensor, int, int] | None] = {}
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, dtype, shape, offset in rows:
+        flat = flats[dtype] if dtype in flats else flats.setdefault(dtype, _as_dtype(buf, dtype))
+        numel, strides = _LAYOUTS.get(shape) or _layout(shape)
+        if flat is not None and offset % flat[1] == 0 and offset + numel * flat[1] <= size:
+            out.append((name, flat[0].as_strided(shape, strides, flat[2] + offset // flat[1])))
+        else:
+            out.append((name, buf[offset : offset + numel * dtype.itemsize].view(dtype).view(shape)))
+    return out
+
+
+def _as_dtype(buf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int, int] | None:
+    """``buf`` as ``dtype`` (its whole elements), that dtype's size, and the view's offset in its
+    storage; None where ``buf`` is not a flat uint8 run that starts on such an element."""
+    isz = dtype.itemsize
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.stride(0) != 1 or buf.storage_offset() % isz:
+        return None
+    flat = buf[: buf.numel() - buf.numel() % isz].view(dtype)
+    return flat, isz, int(flat.storage_offset())
+
+
+#: Element count and contiguous strides by shape (models repeat a few shapes many times).
+_LAYOUTS: dict[tuple[int, ...], tuple[int, tuple[int, ...]]] = {}
+
+
+def _layout(shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """A shape's element count and a contiguous tensor's strides as torch gives them (a dimension
+    of 0 counts as 1), kept for the next time while fewer than 4096 shapes are."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    got = (math.prod(shape), tuple(reversed(strides)))
+    if len(_LAYOUTS) < 4096:
+        _LAYOUTS[shape] = got
+    return got
 
 
 class BucketViews:

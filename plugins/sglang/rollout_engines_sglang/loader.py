@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import threading
 import time
 import weakref
@@ -64,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from rollout_engines.weights.buckets import torch_dtype
+from rollout_engines.weights.buckets import torch_dtype, views_at
 from rollout_engines.weights.copy_plan import CopyPlan, PlannedLoader
 from rollout_engines.weights.doorbell import DoorbellListener
 from rollout_engines.weights.manifest import TensorSpec, TransportSpec, WeightManifest, manifest_from_wire
@@ -115,10 +116,14 @@ def parse_bucket_name(name: str) -> list[BucketEntry]:
     if not name.startswith(PREFIX):
         raise ValueError(f"not a bucket name (it starts with {name[:40]!r}, not {PREFIX!r})")
     try:
-        return [
+        entries = [
             BucketEntry(str(n), torch_dtype(d), tuple(int(s) for s in shape), int(start), int(end))
             for n, d, shape, start, end in json.loads(name[len(PREFIX):])
         ]
+        for e in entries:
+            if e.start < 0 or any(s < 0 for s in e.shape) or e.end - e.start != math.prod(e.shape) * e.dtype.itemsize:
+                raise ValueError(f"'{e.name}' spans bytes {e.start}-{e.end}, not its size as {e.dtype}{list(e.shape)}")
+        return entries
     except (ValueError, TypeError) as exc:
         raise ValueError(f"malformed bucket layout in a tensor name: {exc}") from exc
 
@@ -163,7 +168,7 @@ def parse_shared_name(name: str) -> SharedBucket:
 def bucket_views(flat: torch.Tensor, entries: Sequence[BucketEntry]) -> list[tuple[str, torch.Tensor]]:
     """Views of the flat uint8 ``flat``, one per entry (as SGLang's ``FlattenedTensorBucket``
     rebuilds them)."""
-    return [(e.name, flat[e.start : e.end].view(e.dtype).view(e.shape)) for e in entries]
+    return views_at(flat, ((e.name, e.dtype, e.shape, e.start) for e in entries))
 
 
 #: One planned loader per model object; gone with the model (SGLang's object is left untouched).

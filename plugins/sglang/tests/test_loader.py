@@ -209,6 +209,22 @@ def test_bucket_layout_round_trips_through_the_name() -> None:
         loader.parse_bucket_name(loader.PREFIX + '[["w","no_such_dtype",[1],0,4]]')
     with pytest.raises(ValueError, match="malformed"):
         loader.parse_bucket_name(loader.PREFIX + "{not json")
+    # A span that is not the tensor's size is refused where the layout is read, once, not left
+    # to the views (which read from the start and the shape).
+    for start, end, shape in ((0, 8, [1]), (4, 12, [3]), (-4, 0, [1]), (0, -4, [-1])):
+        with pytest.raises(ValueError, match="malformed"):
+            loader.parse_bucket_name(loader.PREFIX + f'[["w","float32",{shape},{start},{end}]]')
+    # The views are of the buffer, where the entries say (an entry off its dtype's size too).
+    flat = (torch.arange(300) % 251).to(torch.uint8)
+    odd = loader.BucketEntry("odd", torch.float16, (3,), 289, 295)
+    with pytest.raises(RuntimeError, match="divisible"):
+        loader.bucket_views(flat, [odd])
+    views = dict(loader.bucket_views(flat, [*entries[:2], loader.BucketEntry("odd", torch.float16, (3,), 290, 296)]))
+    for e in entries[:2]:
+        view = views[e.name]
+        assert view.data_ptr() == flat.data_ptr() + e.start and view.shape == e.shape and view.dtype == e.dtype
+        assert torch.equal(view.reshape(-1).view(torch.uint8), flat[e.start : e.end])
+    assert torch.equal(views["odd"].view(torch.uint8), flat[290:296])
 
 
 def test_a_forwarded_bucket_round_trips_through_the_name() -> None:
