@@ -104,15 +104,17 @@ def views_at(
     buf: torch.Tensor, rows: Iterable[tuple[str, torch.dtype, tuple[int, ...], int]]
 ) -> list[tuple[str, torch.Tensor]]:
     """``(name, view)`` of each ``(name, dtype, shape, byte offset)`` row in the flat uint8 ``buf``
-    (no copies). One ``as_strided`` a tensor on a view of ``buf`` as its dtype: a slice and two
-    views a tensor cost three times as much, milliseconds a push for a bucket of hundreds of
-    tensors and tens of milliseconds for a MoE's thousands. A row that does not fit ``buf``, or
-    whose offset is not a multiple of its dtype's size, is viewed the plain way (which raises for
-    what does not fit)."""
+    (no copies). One ``as_strided`` per tensor on a view of ``buf`` as its dtype: a slice and two
+    views per tensor cost twice as much or more (``benchmarks/bucket_views.py``), milliseconds a
+    push for a bucket of hundreds of tensors and tens of milliseconds for a MoE's thousands. A row
+    that does not fit ``buf``, or that ``buf`` cannot be viewed at as its dtype (bytes not on a
+    multiple of the dtype's size in their storage), goes the plain way, whose errors torch raises
+    as it always did."""
     size = buf.numel()
     flats: dict[torch.dtype, tuple[torch.Tensor, int, int] | None] = {}
     out: list[tuple[str, torch.Tensor]] = []
     for name, dtype, shape, offset in rows:
+        shape = shape if type(shape) is tuple else tuple(shape)
         flat = flats[dtype] if dtype in flats else flats.setdefault(dtype, _as_dtype(buf, dtype))
         numel, strides = _LAYOUTS.get(shape) or _layout(shape)
         if flat is not None and offset % flat[1] == 0 and offset + numel * flat[1] <= size:
