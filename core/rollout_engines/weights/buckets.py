@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -27,7 +28,10 @@ class BucketHeader(BaseModel):
     ABORT: ClassVar[int] = 1
 
 
+@functools.lru_cache(maxsize=64)
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype named ``name`` (``"bfloat16"``); kept once looked up (every view of a push
+    asks). An unknown name raises ``ValueError``, every time."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype '{name}'")
@@ -88,16 +92,7 @@ def _pos64(words: torch.Tensor | None, tail: int) -> int:
 
 def bucket_views(buf: torch.Tensor, placements: Iterable[TensorPlacement]) -> list[tuple[str, torch.Tensor]]:
     """``(name, view)`` for each tensor laid out in ``buf`` (no copies; see :func:`views_at`)."""
-    dtypes: dict[str, torch.dtype] = {}
-
-    def rows() -> Iterator[tuple[str, torch.dtype, tuple[int, ...], int]]:
-        for p in placements:
-            dtype = dtypes.get(p.dtype)
-            if dtype is None:
-                dtype = dtypes[p.dtype] = torch_dtype(p.dtype)
-            yield p.name, dtype, p.shape, p.offset
-
-    return views_at(buf, rows())
+    return views_at(buf, ((p.name, torch_dtype(p.dtype), p.shape, p.offset) for p in placements))
 
 
 def views_at(
@@ -189,7 +184,7 @@ class _Kept:
 
     def __init__(self, manifest: WeightManifest, index: int, buf: torch.Tensor) -> None:
         self.tensors, self.device, self.ptr = manifest.tensors, buf.device, buf.data_ptr()
-        self.views = list(bucket_views(buf, manifest.bucket_tensors(index)))
+        self.views = bucket_views(buf, manifest.bucket_tensors(index))
         self.dsts = [v for _, v in self.views]
         self.expected = expected_tensors(manifest, index)
 

@@ -197,7 +197,7 @@ class WeightReceiver:
                         if mode == "staged" and not owned:
                             buf, owned = buf.clone(), True
                         if owned or not transport.reuses_slots:
-                            views = list(bucket_views(buf, placements))
+                            views = bucket_views(buf, placements)
                         else:
                             views = self._slot_views.get(manifest, bucket.index, buf)
                     rebuilt: list[tuple[str, torch.Tensor]] = []
